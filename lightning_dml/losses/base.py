@@ -1,0 +1,251 @@
+"""Shared pieces of every pair loss, in the spirit of the General Pair Weighting (GPW) paper.
+
+A pair loss is: a ``B x N`` similarity or distance matrix between the ``B`` anchors of the batch and the ``N``
+gallery items (the batch itself plus optional reference items), boolean masks from mining
+(:mod:`lightning_dml.miners`), weights, and a reduction over the ``B`` anchors. This module holds
+
+* :func:`check_inputs` - shape / dtype / device / NaN-Inf validation with ``ValueError`` naming the problem,
+* :func:`similarity_matrix`, :func:`distance_from_similarity` - SPEC 0.3 numerics (fp32, clamp, sqrt floor 1e-12),
+* :func:`lse0`, :func:`masked_softmax` - masked log-sum-exp ``log(1 + sum exp)`` and masked softmax (SPEC 0.2),
+* :class:`PairLoss` - the ``loss(embeddings, labels, ref_embeddings=None, ref_labels=None)`` interface, and
+* :class:`ClosedFormPairFunction` - one autograd function whose backward is ``(W + W^T) F``, used by losses that
+  know their pair weights ``W = dL/dS`` in closed form (GPW Eq. 4 / MS Eq. 2).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_dml.miners import label_masks
+
+__all__ = [
+    "DIST_EPS",
+    "check_inputs",
+    "normalize_embeddings",
+    "similarity_matrix",
+    "distance_from_similarity",
+    "lse0",
+    "masked_softmax",
+    "masked_mean",
+    "ClosedFormPairFunction",
+    "PairLoss",
+]
+
+#: floor of ``2 - 2 S`` before the square root (SPEC 0.3 rule 2)
+DIST_EPS = 1e-12
+
+PairGradFn = Callable[[Tensor], Tuple[Tensor, Tensor]]
+
+
+def _check_embeddings(x: object, name: str) -> None:
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.ndim != 2:
+        raise ValueError(f"{name} must have shape [batch, dim], got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating point tensor, got dtype {x.dtype}")
+
+
+def _check_labels(y: object, name: str, length: int, emb_name: str) -> None:
+    if not isinstance(y, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(y).__name__}")
+    if y.ndim != 1:
+        raise ValueError(f"{name} must have shape [batch], got shape {tuple(y.shape)}")
+    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
+        raise ValueError(f"{name} must be an integer tensor, got dtype {y.dtype}")
+    if y.shape[0] != length:
+        raise ValueError(f"{name} has {y.shape[0]} entries but {emb_name} has {length} rows")
+
+
+def _check_finite(x: Tensor, name: str) -> None:
+    bad = ~torch.isfinite(x)
+    if bool(bad.any()):
+        rows = bad.any(dim=1).nonzero().flatten()
+        kinds = []
+        if bool(torch.isnan(x).any()):
+            kinds.append("NaN")
+        if bool(torch.isinf(x).any()):
+            kinds.append("Inf")
+        raise ValueError(
+            f"{name} contain {'/'.join(kinds)} in {rows.numel()} row(s), first at row {int(rows[0])}"
+        )
+
+
+def check_inputs(
+    embeddings: Tensor,
+    labels: Tensor,
+    ref_embeddings: Optional[Tensor] = None,
+    ref_labels: Optional[Tensor] = None,
+) -> None:
+    """Validate a loss call; raise ``ValueError`` saying what is wrong and where."""
+    _check_embeddings(embeddings, "embeddings")
+    if embeddings.shape[0] == 0:
+        raise ValueError("embeddings is empty (batch size 0)")
+    _check_labels(labels, "labels", embeddings.shape[0], "embeddings")
+    if labels.device != embeddings.device:
+        raise ValueError(f"labels are on {labels.device} but embeddings are on {embeddings.device}")
+    _check_finite(embeddings, "embeddings")
+    if (ref_embeddings is None) != (ref_labels is None):
+        raise ValueError("ref_embeddings and ref_labels must be given together")
+    if ref_embeddings is None:
+        return
+    _check_embeddings(ref_embeddings, "ref_embeddings")
+    _check_labels(ref_labels, "ref_labels", ref_embeddings.shape[0], "ref_embeddings")
+    if ref_embeddings.shape[1] != embeddings.shape[1]:
+        raise ValueError(
+            f"ref_embeddings have dim {ref_embeddings.shape[1]} but embeddings have dim {embeddings.shape[1]}"
+        )
+    if ref_embeddings.dtype != embeddings.dtype:
+        raise ValueError(f"ref_embeddings dtype {ref_embeddings.dtype} differs from embeddings dtype {embeddings.dtype}")
+    for t, n in ((ref_embeddings, "ref_embeddings"), (ref_labels, "ref_labels")):
+        if t.device != embeddings.device:
+            raise ValueError(f"{n} are on {t.device} but embeddings are on {embeddings.device}")
+    _check_finite(ref_embeddings, "ref_embeddings")
+
+
+def normalize_embeddings(x: Tensor) -> Tensor:
+    """fp32 upcast and L2 normalisation (a zero vector stays zero)."""
+    return F.normalize(x.float(), p=2.0, dim=1, eps=1e-12)
+
+
+def similarity_matrix(anchors: Tensor, gallery: Tensor) -> Tensor:
+    """Inner products ``S = A G^T`` in fp32, clamped to ``[-1, 1]`` (SPEC 0.3 rule 1; for unit vectors)."""
+    return (anchors.float() @ gallery.float().T).clamp(-1.0, 1.0)
+
+
+def distance_from_similarity(sim: Tensor) -> Tensor:
+    """Euclidean distance on the unit sphere ``D = sqrt(max(2 - 2S, 1e-12))`` (SPEC 0.3 rule 2)."""
+    return torch.sqrt(torch.clamp(2.0 - 2.0 * sim, min=DIST_EPS))
+
+
+def lse0(x: Tensor, mask: Tensor, dim: int = 1) -> Tensor:
+    """``log(1 + sum_{mask} exp(x))`` along ``dim`` (SPEC 0.2 LSE0).
+
+    Masked entries are ignored; an empty row gives exactly 0 with zero gradient. Stable for large ``x``.
+    """
+    x = x.masked_fill(~mask, float("-inf"))
+    shift = x.amax(dim=dim, keepdim=True).clamp(min=0.0).detach()
+    total = torch.exp(x - shift).sum(dim=dim, keepdim=True) + torch.exp(-shift)
+    return (shift + torch.log(total)).squeeze(dim)
+
+
+def masked_lse(x: Tensor, mask: Tensor, dim: int = 1) -> Tensor:
+    """``log(sum_{mask} exp(x))`` along ``dim``; an empty row gives ``-inf`` (callers must mask it out)."""
+    x = x.masked_fill(~mask, float("-inf"))
+    shift = x.amax(dim=dim, keepdim=True).detach()
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    return (shift + torch.log(torch.exp(x - shift).sum(dim=dim, keepdim=True))).squeeze(dim)
+
+
+def masked_softmax(x: Tensor, mask: Tensor, dim: int = 1) -> Tensor:
+    """Softmax of ``x`` over the True entries of ``mask``; masked entries and all-False rows give 0."""
+    x = x.masked_fill(~mask, float("-inf"))
+    shift = x.amax(dim=dim, keepdim=True).detach()
+    shift = torch.where(torch.isfinite(shift), shift, torch.zeros_like(shift))
+    e = torch.exp(x - shift)
+    return e / e.sum(dim=dim, keepdim=True).clamp(min=torch.finfo(e.dtype).tiny)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int = 1) -> Tensor:
+    """Mean of ``x`` over the True entries of ``mask``; an empty row gives 0."""
+    return (x * mask).sum(dim=dim) / mask.sum(dim=dim).clamp(min=1)
+
+
+class ClosedFormPairFunction(torch.autograd.Function):
+    """Loss from a similarity matrix with a closed-form backward (GPW Eq. 4, MS Eq. 2).
+
+    ``forward(anchors, gallery, fn)`` evaluates ``S = clamp(A G^T, -1, 1)`` and ``fn(S) -> (loss, W)`` where
+    ``W = dL/dS`` is computed by the loss itself without autograd. The backward is ``W G`` for the anchors and
+    ``W^T A`` for the gallery; when ``gallery is None`` the gallery is the batch and the gradient is
+    ``(W + W^T) A``. No ``B x B`` autograd intermediates are kept: only ``W``.
+    """
+
+    @staticmethod
+    def forward(ctx, anchors: Tensor, gallery: Optional[Tensor], fn: PairGradFn) -> Tensor:  # type: ignore[override]
+        g = anchors if gallery is None else gallery
+        raw = anchors @ g.T
+        sim = raw.clamp(-1.0, 1.0)
+        loss, weights = fn(sim)
+        # the clamp passes no gradient outside [-1, 1] (as autograd's clamp)
+        weights = weights.masked_fill((raw < -1.0) | (raw > 1.0), 0.0)
+        ctx.save_for_backward(anchors, gallery, weights)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        anchors, gallery, weights = ctx.saved_tensors
+        if gallery is None:
+            grad_a = (weights + weights.T) @ anchors
+            return grad_out * grad_a, None, None
+        grad_a = grad_out * (weights @ gallery) if ctx.needs_input_grad[0] else None
+        grad_g = grad_out * (weights.T @ anchors) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_g, None
+
+
+class PairLoss(nn.Module):
+    """Base class: validation, fp32 upcast, normalisation and the reference-gallery path.
+
+    Subclasses implement :meth:`pair_loss` (``S``, masks -> scalar, differentiable by autograd) and may implement
+    :meth:`pair_loss_and_grad` (same value plus ``dL/dS`` in closed form), which is then used for speed when
+    ``closed_form=True``.
+
+    Call: ``loss(embeddings [B, D], labels [B], ref_embeddings=None [M, D], ref_labels=None [M])``. Reference items
+    are extra gallery columns: every anchor of the batch is scored against the batch (its self-pair removed by
+    index) and the ``M`` references; the reduction is over the ``B`` batch anchors.
+    """
+
+    #: whether the loss L2-normalises the embeddings (all but N-pair)
+    normalize: bool = True
+    #: whether the loss can score the batch against reference items
+    supports_ref: bool = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed_form = True
+
+    def forward(
+        self,
+        embeddings: Tensor,
+        labels: Tensor,
+        ref_embeddings: Optional[Tensor] = None,
+        ref_labels: Optional[Tensor] = None,
+    ) -> Tensor:
+        check_inputs(embeddings, labels, ref_embeddings, ref_labels)
+        if ref_embeddings is not None and not self.supports_ref:
+            raise ValueError(
+                f"{type(self).__name__} cannot score against ref_embeddings (its batch structure is fixed); "
+                "call it without ref_embeddings / ref_labels"
+            )
+        device_type = embeddings.device.type
+        with torch.autocast(device_type=device_type, enabled=False):
+            anchors = normalize_embeddings(embeddings) if self.normalize else embeddings.float()
+            if ref_embeddings is None:
+                gallery, gallery_labels = None, labels
+            else:
+                ref = normalize_embeddings(ref_embeddings) if self.normalize else ref_embeddings.float()
+                gallery, gallery_labels = torch.cat([anchors, ref]), torch.cat([labels, ref_labels])
+            loss = self.compute(anchors, labels, gallery, gallery_labels)
+        return loss.float()
+
+    def compute(self, anchors: Tensor, labels: Tensor, gallery: Optional[Tensor], gallery_labels: Tensor) -> Tensor:
+        """Loss of normalised fp32 ``anchors`` against ``gallery`` (``None`` = the batch itself)."""
+        pos, neg = label_masks(labels, gallery_labels)
+        if self.closed_form and self._has_closed_form():
+            return ClosedFormPairFunction.apply(anchors, gallery, lambda s: self.pair_loss_and_grad(s, pos, neg))
+        g = anchors if gallery is None else gallery
+        return self.pair_loss(similarity_matrix(anchors, g), pos, neg)
+
+    def _has_closed_form(self) -> bool:
+        return type(self).pair_loss_and_grad is not PairLoss.pair_loss_and_grad
+
+    def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
+        """Scalar loss from the ``B x N`` similarity matrix and the label masks (autograd path)."""
+        raise NotImplementedError
+
+    def pair_loss_and_grad(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tuple[Tensor, Tensor]:
+        """Scalar loss and ``dL/dS`` in closed form (optional fast path)."""
+        raise NotImplementedError

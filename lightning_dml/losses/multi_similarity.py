@@ -1,0 +1,137 @@
+"""Multi-Similarity loss (Wang et al., CVPR 2019) and its ablation variants."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from lightning_dml.losses.base import PairLoss, lse0, masked_lse, masked_mean
+from lightning_dml.miners import multi_similarity_mining
+
+__all__ = ["MultiSimilarityLoss"]
+
+_ON_EMPTY = ("keep", "skip")
+
+
+class MultiSimilarityLoss(PairLoss):
+    r"""Multi-Similarity loss, MS paper Eq. 15 with the Similarity-P mining of Eqs. 11-12.
+
+    Similarity: cosine ``S_ij = f_i . f_j`` of L2-normalised embeddings.
+
+    .. math::
+        L = \frac{1}{B}\sum_i \Big\{\frac{1}{\alpha}\log\big[1+\sum_{k\in P_i} e^{-\alpha(S_{ik}-\lambda)}\big]
+            + \frac{1}{\beta}\log\big[1+\sum_{k\in N_i} e^{\beta(S_{ik}-\lambda)}\big]\Big\}
+
+    with ``P_i``/``N_i`` the mined positives/negatives of anchor ``i`` (MS Eqs. 11-12: a negative is kept if
+    ``S_ij > min_Pos S - eps``, a positive if ``S_ij < max_Neg S + eps``). Its gradient w.r.t. ``S_ij`` is
+    ``-w+_ij / B`` for mined positives and ``w-_ij / B`` for mined negatives, the pair weights of MS Eqs. 13-14.
+
+    Args:
+        alpha: positive scale (paper 2).
+        beta: negative scale (paper 50).
+        lam: similarity margin lambda (0.5: the authors' code and pytorch-metric-learning; the paper text says 1).
+        eps: mining margin epsilon (paper 0.1).
+        mining: apply the MS mining (False = "MS weighting" ablation of Table 2: all pairs).
+        weighting: apply the MS weighting (False = "MS mining" ablation: the mined pairs with equal weights, loss
+            ``mean_{N_i} S - mean_{P_i} S`` per anchor, averaged over the batch; SPEC 3.4).
+        plus_one: keep the "+1" inside the logs. ``False`` is the GPW paper's "MS loss (v2)" without +1
+            (``(1/alpha) log sum_{P_i} exp(...)``; an empty set contributes 0).
+        on_empty: ``"keep"`` (formula-faithful) keeps the non-empty term of an anchor whose other mined set is
+            empty; ``"skip"`` (the released code's rule) drops the whole anchor if either mined set is empty.
+            Skipped anchors still count in the 1/B divisor.
+
+    Degenerate batches: an anchor with no mined pair (one class, one-sample class, easy batch) contributes 0;
+    the loss of a batch with no mined pair at all is exactly 0 with zero gradient.
+    """
+
+    def __init__(
+        self,
+        alpha: float = 2.0,
+        beta: float = 50.0,
+        lam: float = 0.5,
+        eps: float = 0.1,
+        mining: bool = True,
+        weighting: bool = True,
+        plus_one: bool = True,
+        on_empty: str = "keep",
+    ) -> None:
+        super().__init__()
+        if not alpha > 0 or not beta > 0:
+            raise ValueError(f"alpha and beta must be > 0, got alpha={alpha}, beta={beta}")
+        if eps < 0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        if on_empty not in _ON_EMPTY:
+            raise ValueError(f"on_empty must be one of {_ON_EMPTY}, got {on_empty!r}")
+        self.alpha, self.beta, self.lam, self.eps = float(alpha), float(beta), float(lam), float(eps)
+        self.mining, self.weighting, self.plus_one, self.on_empty = mining, weighting, plus_one, on_empty
+
+    def extra_repr(self) -> str:
+        return (
+            f"alpha={self.alpha}, beta={self.beta}, lam={self.lam}, eps={self.eps}, mining={self.mining}, "
+            f"weighting={self.weighting}, plus_one={self.plus_one}, on_empty={self.on_empty!r}"
+        )
+
+    def mine(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tuple[Tensor, Tensor]:
+        """Mined positive and negative masks (MS Eqs. 11-12, or all pairs without mining)."""
+        if self.mining:
+            return multi_similarity_mining(sim, pos, neg, self.eps)
+        return pos, neg
+
+    def _anchor_weight(self, kp: Tensor, kn: Tensor) -> Tensor:
+        if self.on_empty == "skip":
+            return (kp.any(dim=1) & kn.any(dim=1)).float()
+        return torch.ones(kp.shape[0], device=kp.device)
+
+    def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
+        kp, kn = self.mine(sim, pos, neg)
+        keep = self._anchor_weight(kp, kn)
+        if not self.weighting:
+            per_anchor = masked_mean(sim, kn) - masked_mean(sim, kp)
+        elif self.plus_one:
+            per_anchor = lse0(-self.alpha * (sim - self.lam), kp) / self.alpha + lse0(
+                self.beta * (sim - self.lam), kn
+            ) / self.beta
+        else:
+            lp = masked_lse(-self.alpha * (sim - self.lam), kp) / self.alpha
+            ln = masked_lse(self.beta * (sim - self.lam), kn) / self.beta
+            per_anchor = torch.where(kp.any(1), lp, 0.0) + torch.where(kn.any(1), ln, 0.0)
+        return (per_anchor * keep).sum() / sim.shape[0]
+
+    def pair_loss_and_grad(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tuple[Tensor, Tensor]:
+        kp, kn = self.mine(sim, pos, neg)
+        keep = self._anchor_weight(kp, kn)[:, None] / sim.shape[0]
+        if not self.weighting:
+            np_, nn_ = kp.sum(1, keepdim=True).clamp(min=1), kn.sum(1, keepdim=True).clamp(min=1)
+            w = kn / nn_ - kp / np_
+            loss = ((w * sim).sum(1, keepdim=True) * keep).sum()
+            return loss, w * keep
+        ninf = float("-inf")
+        xp = torch.where(kp, sim, torch.inf).mul_(-self.alpha).add_(self.alpha * self.lam)  # -a(S-l), -inf masked
+        xn = torch.where(kn, sim, ninf).mul_(self.beta).sub_(self.beta * self.lam)  # b(S-l), -inf masked
+        lp, wp = _lse_and_softmax(xp, self.plus_one)
+        ln, wn = _lse_and_softmax(xn, self.plus_one)
+        loss = ((lp / self.alpha + ln / self.beta)[:, None] * keep).sum()
+        grad = (wn - wp).mul_(keep)
+        return loss, grad
+
+
+def _lse_and_softmax(x: Tensor, plus_one: bool) -> Tuple[Tensor, Tensor]:
+    """Row-wise ``log([1 +] sum exp x)`` and its gradient (softmax with an optional virtual zero logit).
+
+    Entries equal to ``-inf`` are masked; an all-masked row gives 0 and zero weights.
+    """
+    shift = x.amax(dim=1, keepdim=True)
+    shift = torch.where(torch.isfinite(shift), shift, 0.0)
+    if plus_one:
+        shift = shift.clamp(min=0.0)
+    e = torch.exp(x - shift)
+    total = e.sum(dim=1, keepdim=True)
+    if plus_one:
+        total = total + torch.exp(-shift)
+        lse = shift + torch.log(total)
+    else:
+        lse = torch.where(total > 0, shift + torch.log(total.clamp(min=torch.finfo(x.dtype).tiny)), 0.0)
+    weights = e.div_(total.clamp(min=torch.finfo(x.dtype).tiny))
+    return lse.squeeze(1), weights
