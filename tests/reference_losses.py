@@ -90,3 +90,279 @@ def multi_similarity(z, y, alpha=2.0, beta=50.0, lam=0.5, eps=0.1, mining=True, 
             if Ni:
                 total = total + _log_sum_exp(neg_terms) / beta
     return total / B
+
+
+def _sets(labels, i, N):
+    P = [j for j in range(N) if j != i and labels[j] == labels[i]]
+    Ng = [j for j in range(N) if labels[j] != labels[i]]
+    return P, Ng
+
+
+def _relu(x: Tensor) -> Tensor:
+    return torch.clamp(x, min=0.0)
+
+
+def contrastive(z, y, pos_margin=0.0, neg_margin=0.8, squared=False, squared_hinge=False, reduction="mean_nonzero",
+                ref=None, ref_labels=None) -> Tensor:
+    """GPW Eq. 11 (Eq. 36 with squared distances, Eq. 35 with squared hinges)."""
+    f, labels = _gallery(z, y, ref, ref_labels)
+    B, N = z.shape[0], len(f)
+    pos_terms, neg_terms = [], []
+    for i in range(B):
+        P, Ng = _sets(labels, i, N)
+        for j in P:
+            d = 2.0 - 2.0 * _cos(f[i], f[j]) if squared else _dist(f[i], f[j])
+            d = _relu(d) if squared else d
+            h = _relu(d - pos_margin)
+            pos_terms.append(h * h if squared_hinge else h)
+        for j in Ng:
+            d = _relu(2.0 - 2.0 * _cos(f[i], f[j])) if squared else _dist(f[i], f[j])
+            h = _relu(neg_margin - d)
+            neg_terms.append(h * h if squared_hinge else h)
+    return _reduce(pos_terms, reduction) + _reduce(neg_terms, reduction)
+
+
+def _reduce(terms, reduction):
+    if not terms:
+        return torch.zeros((), dtype=torch.float64)
+    total = sum(terms)
+    if reduction == "sum":
+        return total
+    if reduction == "mean":
+        return total / len(terms)
+    nonzero = sum(1 for t in terms if float(t) > 0)
+    return total / max(nonzero, 1)
+
+
+def triplet(z, y, margin=0.1, mining="all", squared=False, reduction="mean_nonzero", ref=None, ref_labels=None):
+    """GPW Eq. 12 / Eq. 37 over all triplets, or the batch-hard triplet per anchor (Eq. 20)."""
+    f, labels = _gallery(z, y, ref, ref_labels)
+    B, N = z.shape[0], len(f)
+
+    def d(i, j):
+        return _relu(2.0 - 2.0 * _cos(f[i], f[j])) if squared else _dist(f[i], f[j])
+
+    terms = []
+    for i in range(B):
+        P, Ng = _sets(labels, i, N)
+        if mining == "batch_hard":
+            if not P or not Ng:
+                continue
+            j = max(P, key=lambda t: float(d(i, t)))
+            k = min(Ng, key=lambda t: float(d(i, t)))
+            terms.append(_relu(d(i, j) - d(i, k) + margin))
+            continue
+        for j in P:
+            for k in Ng:
+                terms.append(_relu(d(i, j) - d(i, k) + margin))
+    return _reduce(terms, reduction)
+
+
+def lifted_structure(z, y, margin=1.0, variant="original", alpha=2.0, beta=50.0, ref=None, ref_labels=None):
+    """Original lifted structure (Song et al.), GPW Eq. 14, generalised (MS Eq. 6, distance form), MS Eq. 16."""
+    f, labels = _gallery(z, y, ref, ref_labels)
+    B, N = z.shape[0], len(f)
+    zero = torch.zeros((), dtype=torch.float64)
+    if variant == "star":
+        total = zero
+        for i in range(B):
+            P, Ng = _sets(labels, i, N)
+            if P:
+                total = total + _log_sum_exp([-alpha * _cos(f[i], f[k]) for k in P]) / alpha
+            if Ng:
+                total = total + _log_sum_exp([beta * _cos(f[i], f[k]) for k in Ng]) / beta
+        return total / B
+    if variant == "generalized":
+        total = zero
+        for i in range(B):
+            P, Ng = _sets(labels, i, N)
+            if P and Ng:
+                total = total + _relu(_log_sum_exp([_dist(f[i], f[j]) for j in P])
+                                      + _log_sum_exp([margin - _dist(f[i], f[k]) for k in Ng]))
+        return total / B
+    terms = []
+    for i in range(B):
+        P, _ = _sets(labels, i, N)
+        for j in P:
+            Ni = [k for k in range(N) if labels[k] != labels[i]]
+            Nj = [k for k in range(N) if labels[k] != labels[j]]
+            if variant == "original":
+                exps = [margin - _dist(f[i], f[k]) for k in Ni] + [margin - _dist(f[j], f[l]) for l in Nj]
+                if not exps:
+                    terms.append(zero)
+                    continue
+                J = _log_sum_exp(exps) + _dist(f[i], f[j])
+                terms.append(_relu(J) ** 2)
+            else:  # gpw Eq. 14
+                if not Ni or not Nj:
+                    terms.append(zero)
+                    continue
+                terms.append(_relu(_dist(f[i], f[j]) + _log_sum_exp([margin - _dist(f[i], f[k]) for k in Ni])
+                                   + _log_sum_exp([margin - _dist(f[j], f[l]) for l in Nj])))
+    if not terms:
+        return zero
+    return sum(terms) / (2 * len(terms)) if variant == "original" else sum(terms) / len(terms)
+
+
+def binomial_deviance(z, y, alpha=2.0, beta=50.0, lam=0.5, ref=None, ref_labels=None):
+    """MS Eq. 9, averaged over the B anchors."""
+    f, labels = _gallery(z, y, ref, ref_labels)
+    B, N = z.shape[0], len(f)
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(B):
+        P, Ng = _sets(labels, i, N)
+        if P:
+            total = total + sum(torch.log1p(torch.exp(alpha * (lam - _cos(f[i], f[j])))) for j in P) / len(P)
+        if Ng:
+            total = total + sum(torch.log1p(torch.exp(beta * (_cos(f[i], f[j]) - lam))) for j in Ng) / len(Ng)
+    return total / B
+
+
+def npair(z, y, l2_reg=0.005, symmetric=False, variant="mc"):
+    """N-pair paper Eq. 7 (mc) / Eq. 8 (ovo) on the first two samples of every class; raw inner products."""
+    labels = [int(v) for v in y]
+    zz = z.double()
+    pairs = []
+    for c in sorted(set(labels)):
+        idx = [i for i, v in enumerate(labels) if v == c]
+        if len(idx) >= 2:
+            pairs.append((idx[0], idx[1]))
+    zero = torch.zeros((), dtype=torch.float64)
+    if not pairs:
+        return zero
+    A = [zz[a] for a, _ in pairs]
+    P = [zz[p] for _, p in pairs]
+    n = len(pairs)
+
+    def one(X, Y):
+        total = zero
+        for i in range(n):
+            if variant == "mc":
+                total = total + _log1p_sum_exp([torch.dot(X[i], Y[j]) - torch.dot(X[i], Y[i]) for j in range(n) if j != i])
+            else:
+                for j in range(n):
+                    if j != i:
+                        total = total + torch.log1p(torch.exp(torch.dot(X[i], Y[j]) - torch.dot(X[i], Y[i])))
+        return total / n
+
+    loss = one(A, P)
+    if symmetric:
+        loss = 0.5 * (loss + one(P, A))
+    reg = 0.5 * (sum(torch.dot(a, a) for a in A) / n + sum(torch.dot(p, p) for p in P) / n)
+    return loss + l2_reg * reg
+
+
+def ranked_list(z, y, alpha=1.2, margin=0.4, temperature=10.0, lam=1.0, detach_gallery=True, ref=None,
+                ref_labels=None):
+    """RLL Eqs. 8-14; with detach_gallery the other items of anchor i's list are constants."""
+    f, labels = _gallery(z, y, ref, ref_labels)
+    B, N = z.shape[0], len(f)
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(B):
+        P, Ng = _sets(labels, i, N)
+        g = [t.detach() if detach_gallery else t for t in f]
+
+        def d(j):
+            return torch.sqrt(torch.clamp(2.0 - 2.0 * torch.clamp(torch.dot(f[i], g[j]), -1.0, 1.0), min=1e-12))
+
+        Pstar = [j for j in P if float(d(j)) > alpha - margin]
+        Nstar = [j for j in Ng if float(d(j)) < alpha]
+        if Pstar:
+            total = total + sum(d(j) - (alpha - margin) for j in Pstar) / len(Pstar)
+        if Nstar:
+            w = {j: math.exp(temperature * (alpha - float(d(j)))) for j in Nstar}
+            wsum = sum(w.values())
+            total = total + lam * sum(w[j] / wsum * (alpha - d(j)) for j in Nstar)
+    return total / B
+
+
+def tuplet_margin_all_negatives(z, y, scale=64.0, slack=0.1, variance_weight=0.5, variance_eps=0.01,
+                                detach_mean=False, ref=None, ref_labels=None):
+    """TML Eq. 13 over every positive pair with all of the anchor's negatives, plus Eqs. 15-17."""
+    f, labels = _gallery(z, y, ref, ref_labels)
+    B, N = z.shape[0], len(f)
+    tuplets, pos_cos, neg_cos = [], [], []
+    for i in range(B):
+        P, Ng = _sets(labels, i, N)
+        for j in P:
+            c_ap = _cos(f[i], f[j])
+            theta = torch.acos(torch.clamp(c_ap, -1 + 1e-7, 1 - 1e-7))
+            tuplets.append(_log1p_sum_exp([scale * (_cos(f[i], f[k]) - torch.cos(theta - slack)) for k in Ng]))
+            pos_cos.append(c_ap)
+        neg_cos.extend(_cos(f[i], f[k]) for k in Ng)
+    zero = torch.zeros((), dtype=torch.float64)
+    loss = sum(tuplets) / len(tuplets) if tuplets else zero
+    if variance_weight == 0:
+        return loss
+    lpos = lneg = zero
+    if pos_cos:
+        mu = sum(pos_cos) / len(pos_cos)
+        mu = mu.detach() if detach_mean else mu
+        lpos = sum(_relu((1 - variance_eps) * mu - c) ** 2 for c in pos_cos) / len(pos_cos)
+    if neg_cos:
+        mu = sum(neg_cos) / len(neg_cos)
+        mu = mu.detach() if detach_mean else mu
+        lneg = sum(_relu(c - (1 + variance_eps) * mu) ** 2 for c in neg_cos) / len(neg_cos)
+    return loss + variance_weight * (lpos + lneg)
+
+
+def general_pair_weighting(z, y, form="pair", mining="threshold", weighting="constant", m1=0.0, m2=0.8, margin=0.1,
+                           p=0.0, q=0.0, alpha=0.0, beta=0.0, eps=0.1, normalize=True, ref=None, ref_labels=None):
+    """GPW Algorithm 1: Eq. 18 / Eq. 21 with the mining of Eqs. 16-17, 19, 20, 22-23 and weights of Eqs. 24-34.
+
+    Weights are plain Python floats (constants, GPW footnote 6); hinges keep the gradient.
+    """
+    f, labels = _gallery(z, y, ref, ref_labels)
+    B, N = z.shape[0], len(f)
+    total = torch.zeros((), dtype=torch.float64)
+
+    def wfun(x, power, scale):
+        if weighting == "constant":
+            return 1.0
+        if weighting == "power":
+            return max(x, 0.0) ** power
+        return math.exp(scale * x)
+
+    for i in range(B):
+        P, Ng = _sets(labels, i, N)
+        D = {j: _dist(f[i], f[j]) for j in range(N)}
+        Df = {j: float(D[j].detach()) for j in range(N)}
+        if form == "triplet":
+            trip = []
+            if mining == "batch_hard":
+                if P and Ng:
+                    j = max(P, key=lambda t: Df[t])
+                    k = min(Ng, key=lambda t: Df[t])
+                    if Df[j] - Df[k] + margin >= 0:
+                        trip.append((j, k))
+            else:
+                trip = [(j, k) for j in P for k in Ng if Df[j] + margin >= Df[k]]  # Eq. 19
+            ws = [wfun(Df[j] - Df[k] + margin, p, alpha) for j, k in trip]
+            s = sum(ws)
+            for (j, k), w in zip(trip, ws):
+                w = (w / s if s > 0 else 0.0) if normalize else w
+                total = total + w * _relu(D[j] - D[k] + margin)
+            continue
+        kp = [j for j in P if Df[j] >= m1]  # Eq. 16
+        kn = [k for k in Ng if Df[k] <= m2]  # Eq. 17
+        if mining == "ms":  # Eqs. 22-23
+            min_neg = min([Df[k] for k in Ng], default=math.inf)
+            max_pos = max([Df[j] for j in P], default=-math.inf)
+            kp = [j for j in kp if Df[j] >= min_neg - eps]
+            kn = [k for k in kn if Df[k] <= max_pos + eps]
+        elif mining == "batch_hard":
+            kp = [j for j in kp if P and j == max(P, key=lambda t: Df[t])]
+            kn = [k for k in kn if Ng and k == min(Ng, key=lambda t: Df[t])]
+        elif mining == "triplet_margin":
+            kp = [j for j in kp if any(Df[j] + margin >= Df[k] for k in Ng)]
+            kn = [k for k in kn if any(Df[j] + margin >= Df[k] for j in P)]
+        wp = [wfun(Df[j] - m1, p, alpha) for j in kp]
+        wn = [wfun(m2 - Df[k], q, beta) for k in kn]
+        sp, sn = sum(wp), sum(wn)
+        for j, w in zip(kp, wp):
+            w = (w / sp if sp > 0 else 0.0) if normalize else w
+            total = total + w * _relu(D[j] - m1)
+        for k, w in zip(kn, wn):
+            w = (w / sn if sn > 0 else 0.0) if normalize else w
+            total = total + w * _relu(m2 - D[k])
+    return total / B

@@ -25,10 +25,14 @@ from lightning_dml.miners import label_masks
 __all__ = [
     "DIST_EPS",
     "check_inputs",
+    "upcast",
     "normalize_embeddings",
     "similarity_matrix",
     "distance_from_similarity",
+    "squared_distance_from_similarity",
+    "distance_and_derivative",
     "lse0",
+    "masked_lse",
     "masked_softmax",
     "masked_mean",
     "ClosedFormPairFunction",
@@ -107,19 +111,38 @@ def check_inputs(
     _check_finite(ref_embeddings, "ref_embeddings")
 
 
+def upcast(x: Tensor) -> Tensor:
+    """fp16 / bf16 (and fp32) -> fp32; fp64 stays fp64 (used by the exactness tests)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def normalize_embeddings(x: Tensor) -> Tensor:
     """fp32 upcast and L2 normalisation (a zero vector stays zero)."""
-    return F.normalize(x.float(), p=2.0, dim=1, eps=1e-12)
+    return F.normalize(upcast(x), p=2.0, dim=1, eps=1e-12)
 
 
 def similarity_matrix(anchors: Tensor, gallery: Tensor) -> Tensor:
     """Inner products ``S = A G^T`` in fp32, clamped to ``[-1, 1]`` (SPEC 0.3 rule 1; for unit vectors)."""
-    return (anchors.float() @ gallery.float().T).clamp(-1.0, 1.0)
+    return (upcast(anchors) @ upcast(gallery).T).clamp(-1.0, 1.0)
 
 
 def distance_from_similarity(sim: Tensor) -> Tensor:
     """Euclidean distance on the unit sphere ``D = sqrt(max(2 - 2S, 1e-12))`` (SPEC 0.3 rule 2)."""
     return torch.sqrt(torch.clamp(2.0 - 2.0 * sim, min=DIST_EPS))
+
+
+def squared_distance_from_similarity(sim: Tensor) -> Tensor:
+    """Squared Euclidean distance on the unit sphere ``D^2 = max(2 - 2S, 0)`` (no square root, no floor needed)."""
+    return torch.clamp(2.0 - 2.0 * sim, min=0.0)
+
+
+def distance_and_derivative(sim: Tensor, squared: bool = False) -> Tuple[Tensor, Tensor]:
+    """``D`` (or ``D^2``) from ``S`` and ``dD/dS`` as autograd computes it through the clamps (no autograd)."""
+    gap = 2.0 - 2.0 * sim
+    if squared:
+        return gap.clamp(min=0.0), torch.where(gap >= 0.0, -2.0, 0.0)
+    dist = torch.sqrt(gap.clamp(min=DIST_EPS))
+    return dist, torch.where(gap >= DIST_EPS, -1.0 / dist, 0.0)
 
 
 def lse0(x: Tensor, mask: Tensor, dim: int = 1) -> Tensor:
@@ -193,7 +216,8 @@ class PairLoss(nn.Module):
     :meth:`pair_loss_and_grad` (same value plus ``dL/dS`` in closed form), which is then used for speed when
     ``closed_form=True``.
 
-    Call: ``loss(embeddings [B, D], labels [B], ref_embeddings=None [M, D], ref_labels=None [M])``. Reference items
+    Call: ``loss(embeddings [B, D], labels [B], ref_embeddings=None [M, D], ref_labels=None [M])``; returns an fp32
+    scalar (computed in fp32 with autocast disabled; fp64 inputs are computed and returned in fp64). Reference items
     are extra gallery columns: every anchor of the batch is scored against the batch (its self-pair removed by
     index) and the ``M`` references; the reduction is over the ``B`` batch anchors.
     """
@@ -222,18 +246,21 @@ class PairLoss(nn.Module):
             )
         device_type = embeddings.device.type
         with torch.autocast(device_type=device_type, enabled=False):
-            anchors = normalize_embeddings(embeddings) if self.normalize else embeddings.float()
+            anchors = normalize_embeddings(embeddings) if self.normalize else upcast(embeddings)
             if ref_embeddings is None:
                 gallery, gallery_labels = None, labels
             else:
-                ref = normalize_embeddings(ref_embeddings) if self.normalize else ref_embeddings.float()
+                ref = normalize_embeddings(ref_embeddings) if self.normalize else upcast(ref_embeddings)
                 gallery, gallery_labels = torch.cat([anchors, ref]), torch.cat([labels, ref_labels])
             loss = self.compute(anchors, labels, gallery, gallery_labels)
-        return loss.float()
+        return upcast(loss)
 
     def compute(self, anchors: Tensor, labels: Tensor, gallery: Optional[Tensor], gallery_labels: Tensor) -> Tensor:
         """Loss of normalised fp32 ``anchors`` against ``gallery`` (``None`` = the batch itself)."""
         pos, neg = label_masks(labels, gallery_labels)
+        if getattr(self, "detach_gallery", False):
+            # the gallery side is a constant (RLL's gradient path): only the anchor rows get a gradient
+            gallery = (anchors if gallery is None else gallery).detach()
         if self.closed_form and self._has_closed_form():
             return ClosedFormPairFunction.apply(anchors, gallery, lambda s: self.pair_loss_and_grad(s, pos, neg))
         g = anchors if gallery is None else gallery

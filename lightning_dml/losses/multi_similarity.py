@@ -79,14 +79,14 @@ class MultiSimilarityLoss(PairLoss):
             return multi_similarity_mining(sim, pos, neg, self.eps)
         return pos, neg
 
-    def _anchor_weight(self, kp: Tensor, kn: Tensor) -> Tensor:
+    def _anchor_weight(self, kp: Tensor, kn: Tensor, dtype: torch.dtype) -> Tensor:
         if self.on_empty == "skip":
-            return (kp.any(dim=1) & kn.any(dim=1)).float()
-        return torch.ones(kp.shape[0], device=kp.device)
+            return (kp.any(dim=1) & kn.any(dim=1)).to(dtype)
+        return torch.ones(kp.shape[0], device=kp.device, dtype=dtype)
 
     def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
         kp, kn = self.mine(sim, pos, neg)
-        keep = self._anchor_weight(kp, kn)
+        keep = self._anchor_weight(kp, kn, sim.dtype)
         if not self.weighting:
             per_anchor = masked_mean(sim, kn) - masked_mean(sim, kp)
         elif self.plus_one:
@@ -101,10 +101,10 @@ class MultiSimilarityLoss(PairLoss):
 
     def pair_loss_and_grad(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tuple[Tensor, Tensor]:
         kp, kn = self.mine(sim, pos, neg)
-        keep = self._anchor_weight(kp, kn)[:, None] / sim.shape[0]
+        keep = self._anchor_weight(kp, kn, sim.dtype)[:, None] / sim.shape[0]
         if not self.weighting:
             np_, nn_ = kp.sum(1, keepdim=True).clamp(min=1), kn.sum(1, keepdim=True).clamp(min=1)
-            w = kn / nn_ - kp / np_
+            w = kn.to(sim.dtype) / nn_ - kp.to(sim.dtype) / np_
             loss = ((w * sim).sum(1, keepdim=True) * keep).sum()
             return loss, w * keep
         ninf = float("-inf")

@@ -1,0 +1,104 @@
+"""Contrastive loss in the distance forms of the General Pair Weighting paper (GPW Eqs. 11, 35, 36)."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from lightning_dml.losses.base import PairLoss, distance_and_derivative, distance_from_similarity
+from lightning_dml.losses.base import squared_distance_from_similarity
+
+__all__ = ["ContrastiveLoss", "PAIR_REDUCTIONS", "reduce_pair_terms"]
+
+PAIR_REDUCTIONS = ("mean_nonzero", "mean", "sum")
+
+
+def reduce_pair_terms(hinge: Tensor, mask: Tensor, reduction: str) -> Tensor:
+    """Reduce the hinge terms of one pair set (positive or negative) over the whole ``B x N`` matrix.
+
+    ``mean_nonzero``: mean over the pairs with a non-zero term (pytorch-metric-learning's AvgNonZeroReducer; the
+    "average operation" of GPW footnote 8); ``mean``: mean over all pairs of the set; ``sum``: the plain sum of
+    the paper's equation. An empty set gives 0.
+    """
+    total = (hinge * mask).sum()
+    if reduction == "sum":
+        return total
+    count = (mask & (hinge > 0)).sum() if reduction == "mean_nonzero" else mask.sum()
+    return total / count.clamp(min=1)
+
+
+class ContrastiveLoss(PairLoss):
+    r"""Contrastive loss (GPW Eq. 11; squared forms Eqs. 35 and 36).
+
+    Distance: Euclidean ``D_ij = ||f_i - f_j||`` of L2-normalised embeddings (GPW Eq. 1), or ``D^2`` with
+    ``squared=True``.
+
+    .. math::
+        L = \sum_{y_{ij}=1} h([D_{ij} - m_1]_+) + \sum_{y_{ij}=0} h([m_2 - D_{ij}]_+)
+
+    with ``h(x) = x`` (Eq. 11; Eq. 36 when ``squared``) or ``h(x) = x^2`` with ``squared_hinge`` (Eq. 35, Hadsell
+    et al.'s original). Every positive beyond ``m1`` and every negative inside ``m2`` is mined with weight 1
+    (GPW Section II-B).
+
+    Args:
+        pos_margin: ``m1`` (GPW baseline 0: every positive is pulled).
+        neg_margin: ``m2`` (GPW CUB/Cars value 0.8).
+        squared: use squared distances (Eq. 36).
+        squared_hinge: square the hinges (Eq. 35).
+        reduction: ``"mean_nonzero"`` (default; positive and negative terms each averaged over their non-zero
+            pairs and added, as pytorch-metric-learning does), ``"mean"`` (each averaged over all its pairs) or
+            ``"sum"`` (the equation literally).
+
+    Degenerate batches: no positive (negative) pair or none with a non-zero term -> that term is 0; a batch
+    without any active pair gives 0 with zero gradient.
+    """
+
+    def __init__(
+        self,
+        pos_margin: float = 0.0,
+        neg_margin: float = 0.8,
+        squared: bool = False,
+        squared_hinge: bool = False,
+        reduction: str = "mean_nonzero",
+    ) -> None:
+        super().__init__()
+        if pos_margin < 0 or neg_margin < 0:
+            raise ValueError(f"margins must be >= 0, got pos_margin={pos_margin}, neg_margin={neg_margin}")
+        if reduction not in PAIR_REDUCTIONS:
+            raise ValueError(f"reduction must be one of {PAIR_REDUCTIONS}, got {reduction!r}")
+        self.pos_margin, self.neg_margin = float(pos_margin), float(neg_margin)
+        self.squared, self.squared_hinge, self.reduction = squared, squared_hinge, reduction
+
+    def extra_repr(self) -> str:
+        return (
+            f"pos_margin={self.pos_margin}, neg_margin={self.neg_margin}, squared={self.squared}, "
+            f"squared_hinge={self.squared_hinge}, reduction={self.reduction!r}"
+        )
+
+    def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
+        dist = squared_distance_from_similarity(sim) if self.squared else distance_from_similarity(sim)
+        hp = torch.relu(dist - self.pos_margin)
+        hn = torch.relu(self.neg_margin - dist)
+        lp, ln = (hp * hp, hn * hn) if self.squared_hinge else (hp, hn)
+        return reduce_pair_terms(lp, pos, self.reduction) + reduce_pair_terms(ln, neg, self.reduction)
+
+    def pair_loss_and_grad(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tuple[Tensor, Tensor]:
+        dist, d_dist = distance_and_derivative(sim, self.squared)
+        hp = torch.where(pos, dist - self.pos_margin, 0.0).clamp_(min=0.0)
+        hn = torch.where(neg, self.neg_margin - dist, 0.0).clamp_(min=0.0)
+        active_p, active_n = hp > 0, hn > 0
+        if self.reduction == "sum":
+            cp = cn = torch.ones((), device=sim.device)
+        elif self.reduction == "mean":
+            cp, cn = pos.sum().clamp(min=1), neg.sum().clamp(min=1)
+        else:
+            cp, cn = active_p.sum().clamp(min=1), active_n.sum().clamp(min=1)
+        if self.squared_hinge:
+            loss = (hp * hp).sum() / cp + (hn * hn).sum() / cn
+            grad_dist = (2.0 / cp) * hp - (2.0 / cn) * hn
+        else:
+            loss = hp.sum() / cp + hn.sum() / cn
+            grad_dist = active_p.to(dist.dtype) / cp - active_n.to(dist.dtype) / cn
+        return loss, grad_dist.mul_(d_dist)

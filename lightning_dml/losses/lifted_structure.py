@@ -1,0 +1,81 @@
+"""Lifted structure losses: the original (Song et al.), the GPW form (GPW Eq. 14), the generalised per-anchor form
+(MS Eq. 6 / Hermans et al.) and LiftedStruct* (MS Eq. 16)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_dml.losses.base import PairLoss, distance_from_similarity, masked_lse
+
+__all__ = ["LiftedStructureLoss"]
+
+_VARIANTS = ("original", "gpw", "generalized", "star")
+
+
+class LiftedStructureLoss(PairLoss):
+    r"""Lifted structure loss, one of four variants.
+
+    * ``"original"`` (Song et al. 2016, quoted in SPEC 2.2/4.1): with ``a_i = log sum_{k in Neg(i)} e^{m - D_ik}``,
+      ``J_ij = log(e^{a_i} + e^{a_j}) + D_ij`` and ``L = 1/(2|P|) sum_{(i,j) in P} [J_ij]_+^2`` over the ordered
+      positive pairs ``P`` (the union of both negative sets inside one log, squared hinge).
+    * ``"gpw"`` (GPW Eq. 14): ``[D_ij + a_i + a_j]_+`` (two separate logs, no square), averaged over the ordered
+      positive pairs (GPW writes a sum; the mean keeps the scale independent of the batch size).
+    * ``"generalized"`` (MS Eq. 6 in distance form, Hermans et al.):
+      ``L = 1/B sum_i [log sum_{Pos(i)} e^{D_ij} + log sum_{Neg(i)} e^{m - D_ik}]_+``.
+    * ``"star"`` (LiftedStruct*, MS Eq. 16, cosine similarity, no hinge, no "+1"):
+      ``L = 1/B sum_i {(1/alpha) log sum_{Pos(i)} e^{-alpha S_ik} + (1/beta) log sum_{Neg(i)} e^{beta S_ik}}``.
+
+    Distance: Euclidean ``D`` of L2-normalised embeddings (``"star"``: cosine ``S``).
+
+    Args:
+        margin: ``m`` of the first three variants (original paper 1.0).
+        variant: one of ``"original"``, ``"gpw"``, ``"generalized"``, ``"star"``.
+        alpha, beta: scales of ``"star"`` (MS Table 2: 2 and 50).
+
+    ``"original"`` and ``"gpw"`` need the negatives of the positive item ``j`` too, so they cannot score against
+    reference items (ValueError); ``"generalized"`` and ``"star"`` can.
+
+    Degenerate batches: no positive pair -> 0. An anchor without negatives has ``a_i = -inf`` (its log-sum is
+    empty): in ``"original"`` the pair keeps ``a_j``, and a pair with neither anchor having negatives gives 0; in
+    ``"gpw"`` and ``"generalized"`` such a term is 0; in ``"star"`` an empty set contributes 0.
+    """
+
+    def __init__(self, margin: float = 1.0, variant: str = "original", alpha: float = 2.0, beta: float = 50.0) -> None:
+        super().__init__()
+        if variant not in _VARIANTS:
+            raise ValueError(f"variant must be one of {_VARIANTS}, got {variant!r}")
+        if not alpha > 0 or not beta > 0:
+            raise ValueError(f"alpha and beta must be > 0, got alpha={alpha}, beta={beta}")
+        self.margin, self.variant, self.alpha, self.beta = float(margin), variant, float(alpha), float(beta)
+        self.supports_ref = variant in ("generalized", "star")
+
+    def extra_repr(self) -> str:
+        return f"margin={self.margin}, variant={self.variant!r}, alpha={self.alpha}, beta={self.beta}"
+
+    def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
+        B = sim.shape[0]
+        if self.variant == "star":
+            lp = masked_lse(-self.alpha * sim, pos) / self.alpha
+            ln = masked_lse(self.beta * sim, neg) / self.beta
+            return (torch.where(pos.any(1), lp, 0.0) + torch.where(neg.any(1), ln, 0.0)).sum() / B
+        dist = distance_from_similarity(sim)
+        neg_lse = masked_lse(self.margin - dist, neg)  # a_i, -inf when Neg(i) is empty
+        has_neg = neg.any(1)
+        if self.variant == "generalized":
+            pos_lse = masked_lse(dist, pos)
+            ok = pos.any(1) & has_neg
+            per_anchor = torch.relu(torch.where(ok, pos_lse, 0.0) + torch.where(ok, neg_lse, 0.0))
+            return per_anchor.sum() / B
+        # original / gpw: gallery = batch (no references), pairs (i, j) of the B x B matrix
+        a = torch.where(has_neg, neg_lse, 0.0)
+        ai, aj = a[:, None].expand(B, B), a[None, :].expand(B, B)
+        hi, hj = has_neg[:, None].expand(B, B), has_neg[None, :].expand(B, B)
+        if self.variant == "gpw":
+            ok = pos & hi & hj
+            hinge = torch.relu(torch.where(ok, dist + ai + aj, 0.0))
+            return hinge.sum() / pos.sum().clamp(min=1)
+        both = torch.logaddexp(torch.where(hi, ai, -1e30), torch.where(hj, aj, -1e30))
+        ok = pos & (hi | hj)
+        hinge = torch.relu(torch.where(ok, both + dist, 0.0))
+        return (hinge * hinge).sum() / (2 * pos.sum().clamp(min=1))

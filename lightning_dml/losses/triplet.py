@@ -1,0 +1,106 @@
+"""Triplet margin loss over all valid triplets or batch-hard (GPW Eqs. 12, 20, 37)."""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+from torch import Tensor
+
+from lightning_dml.losses.base import PairLoss, distance_and_derivative, distance_from_similarity
+from lightning_dml.losses.base import squared_distance_from_similarity
+from lightning_dml.miners import batch_hard_mining, positive_index
+
+__all__ = ["TripletLoss"]
+
+_MINING = ("all", "batch_hard")
+_REDUCTIONS = ("mean_nonzero", "mean", "sum")
+
+
+class TripletLoss(PairLoss):
+    r"""Triplet margin loss (GPW Eq. 12; squared distances Eq. 37; batch-hard mining Eq. 20).
+
+    Distance: Euclidean ``D`` of L2-normalised embeddings (``D^2`` with ``squared=True``, the original form).
+
+    .. math:: L = \mathrm{reduce}_{(i,j,k)} [D_{ij} - D_{ik} + m]_+
+
+    over triplets with ``j`` a positive and ``k`` a negative of anchor ``i``: all of them (``mining="all"``) or,
+    per anchor, the farthest positive with the closest negative (``"batch_hard"``, Hermans et al.). The violating
+    triplets are the ones GPW's triplet-margin mining (Eq. 19) keeps; each has weight 1 (Eq. 25).
+    No ``B x B x B`` tensor is built: positives are gathered per anchor, ``[B, K_max, N]`` (SPEC 9.2).
+
+    Args:
+        margin: ``m`` (GPW CUB/Cars value 0.1).
+        mining: ``"all"`` or ``"batch_hard"``.
+        squared: squared distances (Eq. 37).
+        reduction: ``"mean_nonzero"`` (default: mean over triplets with a non-zero hinge, as pytorch-metric-
+            learning's AvgNonZeroReducer), ``"mean"`` (over all considered triplets) or ``"sum"``.
+
+    Degenerate batches: no valid triplet (one class, no anchor with both a positive and a negative) or no violating
+    triplet -> 0 with zero gradient.
+    """
+
+    def __init__(
+        self, margin: float = 0.1, mining: str = "all", squared: bool = False, reduction: str = "mean_nonzero"
+    ) -> None:
+        super().__init__()
+        if margin < 0:
+            raise ValueError(f"margin must be >= 0, got {margin}")
+        if mining not in _MINING:
+            raise ValueError(f"mining must be one of {_MINING}, got {mining!r}")
+        if reduction not in _REDUCTIONS:
+            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        self.margin, self.mining, self.squared, self.reduction = float(margin), mining, squared, reduction
+
+    def extra_repr(self) -> str:
+        return f"margin={self.margin}, mining={self.mining!r}, squared={self.squared}, reduction={self.reduction!r}"
+
+    def _reduce(self, hinge: Tensor, considered: Tensor) -> Tensor:
+        total = (hinge * considered).sum()
+        if self.reduction == "sum":
+            return total
+        count = (considered & (hinge > 0)).sum() if self.reduction == "mean_nonzero" else considered.sum()
+        return total / count.clamp(min=1)
+
+    def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
+        dist = squared_distance_from_similarity(sim) if self.squared else distance_from_similarity(sim)
+        if self.mining == "batch_hard":
+            hard_pos, hard_neg = batch_hard_mining(dist, pos, neg)
+            has = hard_pos.any(1) & hard_neg.any(1)
+            hinge = torch.relu((dist * hard_pos).sum(1) - (dist * hard_neg).sum(1) + self.margin)
+            return self._reduce(hinge, has)
+        index, valid = positive_index(pos)
+        d_pos = dist.gather(1, index)
+        considered = valid[:, :, None] & neg[:, None, :]
+        hinge = torch.relu(d_pos[:, :, None] - dist[:, None, :] + self.margin)
+        return self._reduce(hinge, considered)
+
+    def _count(self, active: Tensor, considered_count: Tensor) -> Tensor:
+        if self.reduction == "sum":
+            return torch.ones((), device=active.device)
+        if self.reduction == "mean":
+            return considered_count.clamp(min=1)
+        return active.sum().clamp(min=1)
+
+    def pair_loss_and_grad(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tuple[Tensor, Tensor]:
+        dist, d_dist = distance_and_derivative(sim, self.squared)
+        if self.mining == "batch_hard":
+            hard_pos, hard_neg = batch_hard_mining(dist, pos, neg)
+            has = hard_pos.any(1) & hard_neg.any(1)
+            hinge = ((dist * hard_pos).sum(1) - (dist * hard_neg).sum(1) + self.margin).clamp_(min=0.0) * has
+            active = hinge > 0
+            count = self._count(active, has.sum())
+            grad_dist = (hard_pos.to(dist.dtype) - hard_neg.to(dist.dtype)) * (active[:, None].to(dist.dtype) / count)
+            return hinge.sum() / count, grad_dist.mul_(d_dist)
+        index, valid = positive_index(pos)
+        d_pos = dist.gather(1, index)
+        hinge = d_pos[:, :, None] - dist[:, None, :] + self.margin  # [B, K, N]
+        hinge.masked_fill_(~(valid[:, :, None] & neg[:, None, :]), 0.0).clamp_(min=0.0)
+        active = hinge > 0
+        considered_count = (valid.sum(1) * neg.sum(1)).sum()
+        count = self._count(active, considered_count)
+        loss = hinge.sum() / count
+        active_f = active.to(dist.dtype)
+        grad_dist = -active_f.sum(1)
+        grad_dist.scatter_add_(1, index, active_f.sum(2))
+        return loss, grad_dist.div_(count).mul_(d_dist)
