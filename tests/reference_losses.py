@@ -130,7 +130,7 @@ def _reduce(terms, reduction):
         return total
     if reduction == "mean":
         return total / len(terms)
-    nonzero = sum(1 for t in terms if float(t) > 0)
+    nonzero = sum(1 for t in terms if float(t.detach()) > 0)
     return total / max(nonzero, 1)
 
 

@@ -118,7 +118,8 @@ def positive_index(pos: Tensor) -> Tuple[Tensor, Tensor]:
         (0 where ``valid`` is False).
     """
     counts = pos.sum(dim=1)
-    k_max = int(counts.max().item()) if pos.numel() > 0 else 0
+    # at least one (invalid) column so that reductions over the positives never see an empty dimension
+    k_max = max(int(counts.max().item()) if pos.numel() > 0 else 0, 1)
     # a stable sort puts the True columns first, in increasing index order
     order = torch.sort(pos.to(torch.uint8), dim=1, descending=True, stable=True).indices[:, :k_max]
     valid = torch.arange(k_max, device=pos.device)[None, :] < counts[:, None]
