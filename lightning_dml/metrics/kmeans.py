@@ -1,0 +1,101 @@
+"""k-means for the clustering metrics (NMI, F1) at up to Stanford-Online-Products scale.
+
+Lloyd's algorithm (Lloyd, 1982) with a fixed iteration count and seed, so a run is reproducible:
+
+* initialisation: k distinct points drawn uniformly with ``torch.Generator().manual_seed(seed)`` (what faiss
+  does too; k-means++ is sequential in k and far too slow at k = 11,316);
+* assignment: ``argmax_c 2<x, c> - |c|^2`` by chunked float32 matrix products (no N x k matrix at once);
+* update: float64 sums per cluster; an empty cluster is re-seeded with the points farthest from their
+  centroid (largest distance first, ties by index), as scikit-learn does.
+
+``backend="faiss"`` uses ``faiss.Kmeans`` instead (``"auto"`` picks faiss when it is installed and the set is
+large, where its multi-threaded search pays off).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["faiss_available", "kmeans", "torch_kmeans"]
+
+
+def faiss_available() -> bool:
+    """Whether the ``faiss`` package can be imported."""
+    try:
+        import faiss  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _assign(x: Tensor, c: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
+    """Nearest centroid (lowest index on ties) and squared distance for each point."""
+    c_sq = (c * c).sum(dim=1)
+    labels = torch.empty(x.shape[0], dtype=torch.long)
+    dist = torch.empty(x.shape[0])
+    for s in range(0, x.shape[0], chunk):
+        xs = x[s : s + chunk]
+        score = torch.addmm(c_sq.unsqueeze(0), xs, c.T, beta=-1.0, alpha=2.0)  # 2<x,c> - |c|^2
+        best, idx = score.max(dim=1)
+        labels[s : s + chunk] = idx
+        dist[s : s + chunk] = ((xs * xs).sum(dim=1) - best).clamp_(min=0)
+    return labels, dist
+
+
+def torch_kmeans(x: Tensor, k: int, *, iters: int = 20, seed: int = 0, chunk: int | None = None) -> Tensor:
+    """Cluster the rows of ``x`` into ``k`` clusters; returns the ``[N]`` cluster index of each row."""
+    x = x.detach().to("cpu", torch.float32).contiguous()
+    n, d = x.shape
+    if not 1 <= k <= n:
+        raise ValueError(f"k-means needs 1 <= k <= number of points, got k={k}, N={n}")
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    if chunk is None:
+        chunk = max(256, min(8192, (32 * 2**20) // (4 * k)))  # about 32 MB of scores per chunk
+    g = torch.Generator().manual_seed(int(seed))
+    c = x[torch.randperm(n, generator=g)[:k]].clone()
+    labels = torch.zeros(n, dtype=torch.long)
+    for _ in range(iters):
+        labels, dist = _assign(x, c, chunk)
+        sums = torch.zeros(k, d, dtype=torch.float64).index_add_(0, labels, x.double())
+        counts = torch.bincount(labels, minlength=k)
+        empty = (counts == 0).nonzero().squeeze(1)
+        c = (sums / counts.clamp(min=1).unsqueeze(1).double()).float()
+        if empty.numel():
+            # re-seed empty clusters with the farthest points (stable: ties by index)
+            far = torch.argsort(dist, descending=True, stable=True)[: empty.numel()]
+            c[empty] = x[far]
+    labels, _ = _assign(x, c, chunk)
+    return labels
+
+
+def _faiss_kmeans(x: Tensor, k: int, *, iters: int, seed: int) -> Tensor:
+    import faiss
+    import numpy as np
+
+    xn = np.ascontiguousarray(x.detach().to("cpu", torch.float32).numpy())
+    km = faiss.Kmeans(xn.shape[1], k, niter=iters, seed=int(seed), verbose=False, max_points_per_centroid=10**9)
+    km.train(xn)
+    _, assign = km.index.search(xn, 1)
+    return torch.from_numpy(assign[:, 0].astype("int64"))
+
+
+def kmeans(x: Tensor, k: int, *, iters: int = 20, seed: int = 0, backend: str = "auto") -> Tensor:
+    """k-means cluster assignment ``[N]`` (int64) of the rows of ``x``.
+
+    Args:
+        backend: ``"torch"`` (:func:`torch_kmeans`), ``"faiss"`` (``faiss.Kmeans``; must be installed) or
+            ``"auto"``: faiss when installed and ``N * k`` is large (>= 1e7), torch otherwise.
+    """
+    if backend not in ("auto", "torch", "faiss"):
+        raise ValueError(f"backend must be 'auto', 'torch' or 'faiss', got {backend!r}")
+    if backend == "auto":
+        backend = "faiss" if faiss_available() and x.shape[0] * k >= 10**7 else "torch"
+    if backend == "faiss":
+        if not faiss_available():
+            raise ValueError("backend='faiss' but faiss is not installed (pip install faiss-cpu)")
+        if not 1 <= k <= x.shape[0]:
+            raise ValueError(f"k-means needs 1 <= k <= number of points, got k={k}, N={x.shape[0]}")
+        return _faiss_kmeans(x, k, iters=iters, seed=seed)
+    return torch_kmeans(x, k, iters=iters, seed=seed)
