@@ -56,26 +56,29 @@ def load_state_dict_file(weights_path: str | os.PathLike, what: str, hint: str) 
 class SmallConvNet(nn.Module):
     """A four-block CNN for small images (the embedded Glyphs dataset): conv-BN-ReLU blocks, global pooling.
 
+    Each block is one 3x3 convolution (two with ``double_conv``), the first three followed by 2x2 max pooling.
+
     Args:
         in_channels: input channels (1 for the grey glyphs).
-        width: channels of the first block; each later block doubles them.
+        width: channels of the first block; the second and third double them.
+        double_conv: two convolutions per block instead of one.
         pooling: global pooling mode.
     """
 
-    def __init__(self, in_channels: int = 1, width: int = 32, pooling: Pooling = "avg") -> None:
+    def __init__(
+        self, in_channels: int = 1, width: int = 32, double_conv: bool = False, pooling: Pooling = "avg"
+    ) -> None:
         super().__init__()
         layers: list[nn.Module] = []
         channels = in_channels
         for block in range(4):
             out = width * 2 ** min(block, 2)
-            layers += [
-                nn.Conv2d(channels, out, 3, padding=1, bias=False),
-                nn.BatchNorm2d(out),
-                nn.ReLU(inplace=True),
-                nn.Conv2d(out, out, 3, padding=1, bias=False),
-                nn.BatchNorm2d(out),
-                nn.ReLU(inplace=True),
-            ]
+            for conv in range(2 if double_conv else 1):
+                layers += [
+                    nn.Conv2d(channels if conv == 0 else out, out, 3, padding=1, bias=False),
+                    nn.BatchNorm2d(out),
+                    nn.ReLU(inplace=True),
+                ]
             if block < 3:
                 layers.append(nn.MaxPool2d(2))
             channels = out

@@ -1,0 +1,40 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+# Both create .venv and install the package (pinned torch first, in one pip call) when needed;
+# later runs only compare timestamps and start at once.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export WANDB_MODE ?= offline
+export WANDB_SILENT ?= true
+
+.PHONY: install demo test test-fast bench clean
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1"
+	$(PY) -m pip install --quiet -e ".[dev,faiss]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## Train on the embedded Glyphs dataset through the CLI and print the retrieval table.
+demo: $(STAMP)
+	$(VENV)/bin/lightning-dml fit --config configs/glyphs.yaml
+
+## The whole test suite, slow tests included (what CI runs).
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+## The inner loop: everything but the tests marked slow.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+## Speed benchmarks against pytorch-metric-learning and faiss (see docs/benchmarks.md).
+bench: $(STAMP)
+	$(PY) bench/losses.py
+	$(PY) bench/evaluation.py
+
+clean:
+	rm -rf $(VENV) logs lightning_logs wandb *.egg-info .pytest_cache
