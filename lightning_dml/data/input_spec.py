@@ -1,0 +1,53 @@
+"""The input convention a backbone expects, declared by the backbone and consumed by the data module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """How images must be presented to a backbone.
+
+    Args:
+        color: channel order: ``"RGB"``, ``"BGR"`` (Caffe models such as BN-Inception) or ``"L"`` (grey).
+        scale: the value of a white pixel before normalisation: ``1.0`` (torchvision) or ``255.0`` (Caffe).
+        mean: per-channel mean subtracted, on the ``scale`` scale, in ``color`` order.
+        std: per-channel divisor applied after the mean, on the ``scale`` scale, in ``color`` order.
+        crop_size: side of the square crop the network sees (224 or 227 in the papers).
+        resize_size: shorter side the test transform resizes to before the centre crop (256 in the papers).
+    """
+
+    color: Literal["RGB", "BGR", "L"] = "RGB"
+    scale: float = 1.0
+    mean: tuple[float, ...] = (0.485, 0.456, 0.406)
+    std: tuple[float, ...] = (0.229, 0.224, 0.225)
+    crop_size: int = 224
+    resize_size: int = 256
+
+    def __post_init__(self) -> None:
+        channels = 1 if self.color == "L" else 3
+        if self.color not in ("RGB", "BGR", "L"):
+            raise ValueError(f"color must be 'RGB', 'BGR' or 'L', got {self.color!r}")
+        if self.scale not in (1.0, 255.0):
+            raise ValueError(f"scale must be 1.0 or 255.0, got {self.scale}")
+        if len(self.mean) != channels or len(self.std) != channels:
+            raise ValueError(
+                f"{self.color} input needs {channels} mean and std values, got {len(self.mean)} and {len(self.std)}"
+            )
+        if any(s <= 0 for s in self.std):
+            raise ValueError(f"std values must be positive, got {self.std}")
+        if not 0 < self.crop_size <= self.resize_size:
+            raise ValueError(f"need 0 < crop_size <= resize_size, got {self.crop_size} and {self.resize_size}")
+
+    @property
+    def channels(self) -> int:
+        return 1 if self.color == "L" else 3
+
+
+#: torchvision's ImageNet models: RGB in [0, 1], ImageNet mean and std.
+TORCHVISION_IMAGENET = InputSpec()
+
+#: BN-Inception from ``pretrainedmodels`` (Caffe-converted): BGR in [0, 255], mean [104, 117, 128], std 1.
+BNINCEPTION = InputSpec(color="BGR", scale=255.0, mean=(104.0, 117.0, 128.0), std=(1.0, 1.0, 1.0))
