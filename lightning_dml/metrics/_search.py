@@ -182,15 +182,21 @@ class Scorer:
         return w * 1.125 + 1e-12 * (1.0 + (0.0 if self.metric == "cosine" else mag))
 
     # ---------------------------------------------------------------- exact
+    @functools.cached_property
+    def x64(self) -> Tensor:
+        """Float64 copy of the embeddings (exact: every float32 is a float64), made on first use."""
+        return self.x.double()
+
     def exact(self, q_items: Tensor, g_items: Tensor) -> Tensor:
         """Exact float64 scores of the pairs ``(q_items[i], g_items[i])`` (1-D tensors of equal length)."""
         out = torch.empty(q_items.numel(), dtype=torch.float64)
-        step = max(1, _PAIR_BLOCK_BYTES // (16 * self.dim))
+        step = max(1, (2 * 2**20) // (8 * self.dim))  # 2 MB operands: the pair batch stays in cache
+        x64 = self.x64
         for s in range(0, q_items.numel(), step):
             qi = q_items[s : s + step]
             gi = g_items[s : s + step]
-            a = self.x[qi].double()
-            b = self.x[gi].double()
+            a = x64[qi]
+            b = x64[gi]
             if self.metric == "cosine":
                 out[s : s + step] = tree_sum(a.mul_(b)) / (self.norms64[qi] * self.norms64[gi])
             else:

@@ -244,8 +244,9 @@ def retrieval_stats(
 
     Args:
         k: length of the neighbour lists; default = the largest R (what MAP@R needs), at least 1.
-        rank_ks: the K values for which ``first_positive_rank < K`` must be exact (Recall@K). The rank is
-            exact whenever it is below ``max(rank_ks)``; above that it is a lower bound.
+        rank_ks: the K values for which ``first_positive_rank < K`` must be decided exactly (Recall@K).
+            The reported rank is exact where the approximate pass leaves it ambiguous for one of these K;
+            elsewhere it is a lower bound on the same side of every K as the exact rank.
     """
     ps = prepare(embeddings, labels, indices, query_mask, gallery_mask)
     search = build_search(ps, metric=metric, precision=precision, query_block=query_block, gallery_chunk=gallery_chunk)

@@ -2,8 +2,9 @@
 
 Lloyd's algorithm (Lloyd, 1982) with a fixed iteration count and seed, so a run is reproducible:
 
-* initialisation: k distinct points drawn uniformly with ``torch.Generator().manual_seed(seed)`` (what faiss
-  does too; k-means++ is sequential in k and far too slow at k = 11,316);
+* initialisation: k-means++ (Arthur & Vassilvitskii, 2007) when it is cheap (N k D <= 5e8), otherwise k
+  distinct points drawn uniformly (what faiss does; k-means++ is sequential in k and far too slow at
+  k = 11,316), both from ``torch.Generator().manual_seed(seed)``;
 * assignment: ``argmax_c 2<x, c> - |c|^2`` by chunked float32 matrix products (no N x k matrix at once);
 * update: float64 sums per cluster; an empty cluster is re-seeded with the points farthest from their
   centroid (largest distance first, ties by index), as scikit-learn does.
@@ -43,6 +44,23 @@ def _assign(x: Tensor, c: Tensor, chunk: int) -> tuple[Tensor, Tensor]:
     return labels, dist
 
 
+def _kmeans_plus_plus(x: Tensor, k: int, g: torch.Generator) -> Tensor:
+    """k-means++ seeding: each next centre drawn with probability proportional to D(x)^2."""
+    n = x.shape[0]
+    idx = [int(torch.randint(n, (1,), generator=g))]
+    d2 = ((x - x[idx[0]]) ** 2).sum(dim=1).double()
+    for _ in range(1, k):
+        if float(d2.sum()) > 0:
+            nxt = int(torch.multinomial(d2, 1, generator=g))
+        else:  # every point coincides with a centre: take the first unused index
+            used = torch.zeros(n, dtype=torch.bool)
+            used[idx] = True
+            nxt = int((~used).nonzero()[0])
+        idx.append(nxt)
+        d2 = torch.minimum(d2, ((x - x[nxt]) ** 2).sum(dim=1).double())
+    return x[torch.tensor(idx)].clone()
+
+
 def torch_kmeans(x: Tensor, k: int, *, iters: int = 20, seed: int = 0, chunk: int | None = None) -> Tensor:
     """Cluster the rows of ``x`` into ``k`` clusters; returns the ``[N]`` cluster index of each row."""
     x = x.detach().to("cpu", torch.float32).contiguous()
@@ -54,7 +72,10 @@ def torch_kmeans(x: Tensor, k: int, *, iters: int = 20, seed: int = 0, chunk: in
     if chunk is None:
         chunk = max(256, min(8192, (32 * 2**20) // (4 * k)))  # about 32 MB of scores per chunk
     g = torch.Generator().manual_seed(int(seed))
-    c = x[torch.randperm(n, generator=g)[:k]].clone()
+    if n * k * d <= 5e8:
+        c = _kmeans_plus_plus(x, k, g)
+    else:
+        c = x[torch.randperm(n, generator=g)[:k]].clone()
     labels = torch.zeros(n, dtype=torch.long)
     for _ in range(iters):
         labels, dist = _assign(x, c, chunk)

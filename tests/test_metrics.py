@@ -1,0 +1,311 @@
+"""Retrieval metrics against a float64 brute force, scikit-learn and pytorch-metric-learning."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lightning_dml.metrics import RetrievalMetrics
+from lightning_dml.metrics import functional as F
+from lightning_dml.metrics._search import Scorer, bf16_matmul_is_fast, tree_sum
+from tests.metrics_reference import brute_metrics, brute_rankings, brute_scores
+
+KEYS = ("recall@1", "recall@2", "recall@4", "recall@8", "recall@16", "precision@1", "r_precision", "map@r")
+
+
+def _tricky_set(n: int = 360, d: int = 32, classes: int = 45, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random embeddings with exact duplicates, near-duplicates (1e-6) and singleton classes."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=g)
+    y = torch.randint(0, classes, (n,), generator=g)
+    x[10:20] = x[0]  # exact duplicates of row 0, mixed labels -> ties broken by index
+    # near-duplicates of row 1: their scores differ by ~1e-9, far below the fp32/bf16 error of the
+    # approximate pass (so the exact re-scoring decides) and far above float64 rounding
+    x[20:40] = x[1] + 1e-4 * torch.randn(20, d, generator=g)
+    # same direction, scaled by powers of two (exact in float): exact cosine ties, different distances
+    x[40:50] = x[2] * (2.0 ** torch.arange(-5, 5, dtype=torch.float32)).unsqueeze(1)
+    y[50] = 1000  # singleton classes: R = 0
+    y[51] = 1001
+    return x, y
+
+
+@pytest.mark.parametrize("metric", ["cosine", "euclidean"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_metrics_equal_fp64_brute_force(metric: str, precision: str) -> None:
+    x, y = _tricky_set()
+    ks = (1, 2, 4, 8, 16)
+    ref = brute_metrics(x, y, ks, metric)
+    got = F.retrieval_metrics(x, y, recall_at=ks, metric=metric, precision=precision)
+    for key in KEYS:
+        assert got[key] == pytest.approx(ref[key], abs=1e-12), key
+
+
+@pytest.mark.parametrize("metric", ["cosine", "euclidean"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_knn_lists_equal_fp64_brute_force_with_near_duplicates(metric: str, precision: str) -> None:
+    x, y = _tricky_set(seed=1)
+    k = 25
+    scores, idx = F.knn(x, k=k, metric=metric, precision=precision)
+    ref = brute_rankings(x, y, metric)
+    s64 = brute_scores(x, metric)
+    for q, cand, _, _ in ref:
+        assert idx[q].tolist() == cand[:k], f"query {q}"
+        assert torch.allclose(scores[q], s64[q, cand[:k]], rtol=0, atol=1e-12)
+
+
+def test_knn_small_chunks_and_many_blocks() -> None:
+    """Several query blocks and gallery chunks (and buffers that overflow) give the same exact lists."""
+    x, y = _tricky_set(n=300, seed=2)
+    ps = F.prepare(x, y)
+    search = F.build_search(ps, precision="fp32", query_block=37, gallery_chunk=23)
+    ks = (1, 5, 50)
+    res = search.run(30, ks, exact_scores=True)
+    ref = brute_rankings(x, y)
+    for q, cand, rel, _ in ref:
+        assert res.neighbors[q].tolist() == cand[:30]
+        first = rel.index(True) if any(rel) else -1
+        rank = int(res.first_positive_rank[q])
+        assert (rank == -1) == (first == -1)
+        for k in ks:  # the rank is resolved exactly wherever it decides rank < K
+            assert (0 <= rank < k) == (0 <= first < k), (q, k)
+
+
+def test_query_vs_gallery_knn() -> None:
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(40, 16, generator=g)
+    gal = torch.randn(70, 16, generator=g)
+    gal[5] = gal[6]  # tie inside the gallery
+    q[0] = gal[5]
+    scores, idx = F.knn(q, gal, k=10)
+    f = torch.nn.functional.normalize(gal.double(), dim=1)
+    fq = torch.nn.functional.normalize(q.double(), dim=1)
+    for i in range(40):
+        s = (f * fq[i]).sum(dim=1)
+        order = sorted(range(70), key=lambda j: (-float(s[j]), j))[:10]
+        assert idx[i].tolist() == order
+    assert idx[0, :2].tolist() == [5, 6]
+
+
+def test_tie_rule_smaller_index_first() -> None:
+    """Query 0 has a negative (index 1) and a positive (index 2) at identical similarity: R@1 = 0, R@2 = 1."""
+    x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [-1.0, 0.0]])
+    y = torch.tensor([0, 1, 0, 1])
+    out = F.retrieval_metrics(x[:3], y[:3], recall_at=(1, 2), map_at_r=False)
+    # query 0: items 1, 2 both at cosine 0 -> index 1 (negative) first
+    # query 1: item 2 identical (cos 1) but negative... item 2 has label 0, item 1 label 1 -> no positive
+    # query 2: item 1 identical (negative, cos 1) then item 0 (positive, cos 0)
+    assert out["recall@1"] == pytest.approx(0.0)
+    assert out["recall@2"] == pytest.approx(2 / 3)
+
+
+def test_in_shop_hand_computed() -> None:
+    """In-Shop mode: queries ranked against a separate gallery (nothing removed), computed by hand.
+
+    Embeddings on the unit circle at angles (degrees). Gallery: g0 at 0 (class A), g1 at 10 (class B),
+    g2 at 90 (class A), g3 at 180 (class B). Queries: q0 at 5 (class A), q1 at 170 (class A), q2 at 100
+    (class C, no gallery item).
+      q0 ranking: g0 (5 deg), g1 (5 deg: tie, g0 has the smaller index), g2, g3 -> first positive rank 0.
+      q1 ranking: g3 (10), g2 (80), g1 (160), g0 (170) -> first positive (g2) at rank 1.
+      q2: no positive -> counts as a miss in Recall@K, excluded from R-Precision / MAP@R.
+    Recall@1 = 1/3, Recall@2 = 2/3. R = 2 for q0 and q1:
+      q0 top-2 = [A, B] -> R-Precision 1/2, AP@R = (1/1) / 2 = 1/2.
+      q1 top-2 = [B, A] -> R-Precision 1/2, AP@R = (1/2) / 2 = 1/4.
+    R-Precision = 1/2, MAP@R = 3/8.
+    """
+
+    def unit(deg: float) -> list[float]:
+        return [math.cos(math.radians(deg)), math.sin(math.radians(deg))]
+
+    items = [(5, 0, "q"), (0, 0, "g"), (170, 0, "q"), (10, 1, "g"), (90, 0, "g"), (100, 2, "q"), (180, 1, "g")]
+    x = torch.tensor([unit(a) for a, _, _ in items], dtype=torch.float32)
+    y = torch.tensor([c for _, c, _ in items])
+    qm = torch.tensor([k == "q" for _, _, k in items])
+    out = F.retrieval_metrics(x, y, recall_at=(1, 2, 4), query_mask=qm, gallery_mask=~qm, precision="fp32")
+    assert out["recall@1"] == pytest.approx(1 / 3)
+    assert out["recall@2"] == pytest.approx(2 / 3)
+    assert out["recall@4"] == pytest.approx(2 / 3)
+    assert out["r_precision"] == pytest.approx(1 / 2)
+    assert out["map@r"] == pytest.approx(3 / 8)
+    m = RetrievalMetrics(recall_at=(1, 2), clustering=False)
+    m.update(x[:4], y[:4], query_mask=qm[:4], gallery_mask=~qm[:4])
+    m.update(x[4:], y[4:], query_mask=qm[4:], gallery_mask=~qm[4:])
+    res = m.compute()
+    assert res["recall@2"] == pytest.approx(2 / 3) and res["map@r"] == pytest.approx(3 / 8)
+
+
+def test_in_shop_against_brute_force() -> None:
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(300, 24, generator=g)
+    y = torch.randint(0, 60, (300,), generator=g)
+    qm = torch.rand(300, generator=g) < 0.5
+    ref = brute_metrics(x, y, (1, 10, 20), "cosine", qm, ~qm)
+    got = F.retrieval_metrics(x, y, recall_at=(1, 10, 20), query_mask=qm, gallery_mask=~qm)
+    for key in ("recall@1", "recall@10", "recall@20", "r_precision", "map@r"):
+        assert got[key] == pytest.approx(ref[key], abs=1e-12), key
+
+
+def test_against_pytorch_metric_learning() -> None:
+    pml = pytest.importorskip("pytorch_metric_learning.utils.accuracy_calculator")
+    g = torch.Generator().manual_seed(5)
+    y = torch.arange(60).repeat_interleave(torch.randint(2, 9, (60,), generator=g))
+    centers = torch.randn(60, 64, generator=g)
+    x = centers[y] + 1.2 * torch.randn(y.numel(), 64, generator=g)
+    calc = pml.AccuracyCalculator(
+        include=("precision_at_1", "r_precision", "mean_average_precision_at_r"), device=torch.device("cpu")
+    )
+    xn = torch.nn.functional.normalize(x, dim=1)
+    ref = calc.get_accuracy(xn, y, xn, y, ref_includes_query=True)
+    got = F.retrieval_metrics(x, y, recall_at=(1,))
+    assert got["precision@1"] == pytest.approx(ref["precision_at_1"], abs=1e-6)
+    assert got["r_precision"] == pytest.approx(ref["r_precision"], abs=1e-6)
+    assert got["map@r"] == pytest.approx(ref["mean_average_precision_at_r"], abs=1e-6)
+
+
+def test_nmi_matches_sklearn() -> None:
+    sk = pytest.importorskip("sklearn.metrics")
+    g = torch.Generator().manual_seed(6)
+    for n, a, b in ((500, 7, 9), (300, 40, 25), (50, 50, 3)):
+        y = torch.randint(0, a, (n,), generator=g) * 3 + 11  # non-contiguous label values
+        c = torch.randint(0, b, (n,), generator=g)
+        ref = sk.normalized_mutual_info_score(y.numpy(), c.numpy(), average_method="arithmetic")
+        assert F.nmi(y, c) == pytest.approx(ref, abs=1e-12)
+    y = torch.randint(0, 5, (100,), generator=g)
+    assert F.nmi(y, y * 7) == pytest.approx(1.0)
+    assert F.nmi(torch.zeros(10, dtype=torch.long), torch.zeros(10, dtype=torch.long)) == 1.0
+
+
+def _f1_by_pairs(y: torch.Tensor, c: torch.Tensor) -> float:
+    tp = fp = fn = 0
+    n = y.numel()
+    for i in range(n):
+        for j in range(i + 1, n):
+            same_c, same_y = bool(c[i] == c[j]), bool(y[i] == y[j])
+            tp += same_c and same_y
+            fp += same_c and not same_y
+            fn += same_y and not same_c
+    p = tp / (tp + fp) if tp + fp else 0.0
+    r = tp / (tp + fn) if tp + fn else 0.0
+    return 2 * p * r / (p + r) if p + r else 0.0
+
+
+def test_f1_matches_pair_enumeration() -> None:
+    g = torch.Generator().manual_seed(7)
+    for n, a, b in ((120, 6, 8), (90, 30, 30), (60, 2, 15)):
+        y = torch.randint(0, a, (n,), generator=g)
+        c = torch.randint(0, b, (n,), generator=g)
+        assert F.f1_score(y, c) == pytest.approx(_f1_by_pairs(y, c), abs=1e-12)
+    assert F.f1_score(y, y) == pytest.approx(1.0)
+
+
+def test_clustering_metrics_on_separated_blobs_and_sklearn_on_kmeans_output() -> None:
+    sk = pytest.importorskip("sklearn.metrics")
+    g = torch.Generator().manual_seed(8)
+    y = torch.arange(12).repeat_interleave(25)
+    x = 20 * torch.randn(12, 16, generator=g)[y] + torch.randn(300, 16, generator=g)
+    from lightning_dml.metrics.kmeans import faiss_available
+
+    for backend in ("torch", "faiss") if faiss_available() else ("torch",):
+        assign = F.kmeans(x, 12, iters=20, seed=0, backend=backend)
+        assert F.nmi(y, assign) == pytest.approx(sk.normalized_mutual_info_score(y.numpy(), assign.numpy()), abs=1e-12)
+    out = F.clustering_metrics(x, y, metric="euclidean", seeds=3, backend="torch")
+    assert out["nmi"] > 0.95 and out["f1"] > 0.85
+
+
+def test_torch_kmeans_is_deterministic_and_handles_empty_clusters() -> None:
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(200, 8, generator=g)
+    x[:150] = 0.0  # 150 identical points: most initial centroids coincide -> empty clusters
+    a1 = F.kmeans(x, 30, iters=10, seed=3, backend="torch")
+    a2 = F.kmeans(x, 30, iters=10, seed=3, backend="torch")
+    assert torch.equal(a1, a2)
+    assert a1.min() >= 0 and a1.max() < 30
+    # the 50 distinct points each get their own cluster or share one only if needed
+    assert torch.unique(a1).numel() >= 20
+
+
+def test_metric_class_batches_duplicates_and_order() -> None:
+    """Batched updates, DDP-style repeated (padding) rows and shuffled order give the functional result."""
+    x, y = _tricky_set(n=240, seed=10)
+    ref = F.retrieval_metrics(x, y, recall_at=(1, 2, 4, 8))
+    perm = torch.randperm(240, generator=torch.Generator().manual_seed(0))
+    pad = torch.tensor([5, 17, 3])
+    order = torch.cat([perm, pad])
+    m = RetrievalMetrics(recall_at=(1, 2, 4, 8), clustering=True)
+    for chunk in order.split(50):
+        m.update(x[chunk], y[chunk], indices=chunk)
+    out = m.compute()
+    for key, val in ref.items():
+        assert out[key] == pytest.approx(val, abs=0), key
+    assert set(out) == set(ref) | {"nmi", "f1"}
+    assert all(0.0 <= v <= 1.0 for v in out.values())
+    m.reset()
+    with pytest.raises(ValueError, match="no data"):
+        m.compute()
+
+
+def test_recall_k_larger_than_gallery_and_lone_queries() -> None:
+    x = torch.randn(6, 4)
+    y = torch.tensor([0, 0, 1, 2, 3, 4])
+    out = F.retrieval_metrics(x, y, recall_at=(1, 5, 100))
+    assert out["recall@100"] == pytest.approx(2 / 6)  # only the two class-0 queries have a positive
+    assert out["recall@5"] == pytest.approx(2 / 6)
+
+
+def test_input_validation() -> None:
+    x = torch.randn(10, 4)
+    y = torch.randint(0, 3, (10,))
+    m = RetrievalMetrics(clustering=False)
+    with pytest.raises(ValueError, match="NaN"):
+        bad = x.clone()
+        bad[3, 1] = float("nan")
+        m.update(bad, y)
+    with pytest.raises(ValueError, match="Inf"):
+        bad = x.clone()
+        bad[2, 0] = float("inf")
+        m.update(bad, y)
+    with pytest.raises(ValueError, match="labels"):
+        m.update(x, y[:9])
+    with pytest.raises(ValueError, match="2-D"):
+        m.update(x[0], y)
+    with pytest.raises(ValueError, match="dimension changed"):
+        m.update(x, y)
+        m.update(torch.randn(3, 5), y[:3])
+    with pytest.raises(ValueError, match="query_mask and gallery_mask"):
+        F.retrieval_metrics(x, y, query_mask=torch.ones(10, dtype=torch.bool))
+    with pytest.raises(ValueError, match="zero norm"):
+        z = x.clone()
+        z[4] = 0
+        F.retrieval_metrics(z, y)
+    with pytest.raises(ValueError, match="index 3 appears more than once"):
+        F.retrieval_metrics(x, y, indices=torch.tensor([0, 1, 2, 3, 3, 5, 6, 7, 8, 9]))
+    with pytest.raises(ValueError, match="no data"):
+        RetrievalMetrics().compute()
+
+
+def test_error_bound_holds() -> None:
+    """The approximate scores stay within the stated bound of the exact ones (bf16 and fp32)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(200, 96, generator=g) * torch.rand(200, 1, generator=g) * 10
+    items = torch.arange(200)
+    for metric in ("cosine", "euclidean"):
+        for prec in ("fp32", "bf16"):
+            sc = Scorer(x, metric, prec)
+            a = sc.approx(items, items).double()
+            w = sc.error_bound(items, items)
+            qi, gi = torch.meshgrid(items, items, indexing="ij")
+            e = sc.exact(qi.reshape(-1), gi.reshape(-1)).reshape(200, 200)
+            assert bool(((a - e).abs() <= w.unsqueeze(1)).all()), (metric, prec)
+
+
+def test_tree_sum_is_batch_independent() -> None:
+    t = torch.randn(50, 77, dtype=torch.float64)
+    full = tree_sum(t)
+    for i in (0, 13, 49):
+        assert float(tree_sum(t[i : i + 1])[0]) == float(full[i])
+    assert torch.allclose(full, t.sum(dim=1))
+
+
+def test_bf16_runtime_check_is_bool() -> None:
+    assert isinstance(bf16_matmul_is_fast(), bool)
