@@ -159,6 +159,7 @@ def _stable_int(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256("|".join(map(str, parts)).encode()).digest()[:8], "little")
 
 
+@lru_cache(maxsize=4)
 def render_glyphs(
     image_size: int = 32, seed: int = 0, min_fonts: int = 5, homoglyph_threshold: float = 0.97
 ) -> tuple[torch.Tensor, torch.Tensor, list[str], list[str]]:
@@ -167,7 +168,7 @@ def render_glyphs(
     Returns ``(images uint8 [N, 1, S, S], labels int64 [N], class_names, fonts)`` where ``labels`` index
     ``class_names`` (one character each) and ``fonts[i]`` is the font of image ``i``. Classes with fewer than
     ``min_fonts`` images are dropped. Deterministic given ``seed``: each image's variation is seeded by
-    ``(seed, font, character)``.
+    ``(seed, font, character)``. Results are memoised per arguments (treat the tensors as read-only).
     """
     renders = _clean_renderings()
     by_class: dict[str, list[str]] = {char: [] for char in _distinct_characters(renders, homoglyph_threshold)}
