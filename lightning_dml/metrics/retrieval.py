@@ -120,7 +120,7 @@ class RetrievalMetrics(Metric):
     ) -> None:
         """Store a batch of raw embeddings ``[B, D]`` with labels ``[B]`` (and optional indices / masks)."""
         F.check_inputs(embeddings, labels, indices, query_mask, gallery_mask, where="RetrievalMetrics.update")
-        if self.embeddings and self.embeddings[0].shape[1] != embeddings.shape[1]:
+        if len(self.embeddings) and self.embeddings[0].shape[1] != embeddings.shape[1]:
             raise ValueError(
                 f"RetrievalMetrics.update: embedding dimension changed from {self.embeddings[0].shape[1]} "
                 f"to {embeddings.shape[1]}"
@@ -139,7 +139,8 @@ class RetrievalMetrics(Metric):
 
     # ------------------------------------------------------------------------------------------- compute
     def _gathered(self) -> F.PreparedSet:
-        if not self.embeddings or (isinstance(self.embeddings, list) and sum(e.shape[0] for e in self.embeddings) == 0):
+        # list states before a DDP sync, concatenated tensors after it
+        if isinstance(self.embeddings, list) and not self.embeddings:
             raise ValueError("RetrievalMetrics.compute() called with no data: call update() with embeddings first")
         emb = dim_zero_cat(self.embeddings)
         lab = dim_zero_cat(self.labels)

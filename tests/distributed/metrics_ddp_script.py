@@ -1,0 +1,97 @@
+"""2-process (gloo, CPU) check that RetrievalMetrics under DDP equals the single-process result exactly.
+
+Run as a script (tests/test_metrics_ddp.py does it in a subprocess). 1,001 samples are sharded like
+DistributedSampler(shuffle=True, drop_last=False): the shards are padded by repeating items, arrive in a
+shuffled order and in uneven batches. Every figure must equal the single-process one to the last digit, for
+all-vs-all mode (with clustering, 2 k-means seeds split across the processes) and In-Shop mode.
+Prints "DDP-METRICS-OK" from rank 0 on success; exits non-zero on any mismatch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+from lightning_dml.metrics import RetrievalMetrics  # noqa: E402
+
+N, D, WORLD = 1001, 48, 2
+KW = dict(recall_at=(1, 2, 4, 8, 16, 32), kmeans_seeds=2, kmeans_backend="torch", query_block=128, gallery_chunk=300)
+
+
+def make_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    y = torch.randint(0, 120, (N,), generator=g)
+    x = torch.randn(120, D, generator=g)[y] + 1.5 * torch.randn(N, D, generator=g)
+    x[100:110] = x[7]  # exact duplicates: ties resolved by index
+    qm = torch.rand(N, generator=g) < 0.4
+    return x, y, qm
+
+
+def single_process() -> tuple[dict, dict]:
+    x, y, qm = make_data()
+    m = RetrievalMetrics(**KW)
+    m.update(x, y)
+    shop = RetrievalMetrics(clustering=False, **{k: v for k, v in KW.items() if k != "kmeans_seeds"})
+    shop.update(x, y, query_mask=qm, gallery_mask=~qm)
+    return m.compute(), shop.compute()
+
+
+def shard(rank: int) -> torch.Tensor:
+    """DistributedSampler(shuffle=True, seed=0) indices of this rank: padded to a multiple of WORLD."""
+    g = torch.Generator().manual_seed(0)
+    order = torch.randperm(N, generator=g)
+    total = -(-N // WORLD) * WORLD
+    order = torch.cat([order, order[: total - N]])
+    return order[rank:total:WORLD]
+
+
+def worker(rank: int, port: int, expected: tuple[dict, dict]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    x, y, qm = make_data()
+    idx = shard(rank)
+    m = RetrievalMetrics(**KW)
+    shop = RetrievalMetrics(clustering=False, **{k: v for k, v in KW.items() if k != "kmeans_seeds"})
+    sizes = [97, 3, 200, 501]  # uneven batches
+    start = 0
+    for s in sizes:
+        b = idx[start : start + s]
+        start += s
+        if b.numel() == 0:
+            continue
+        m.update(x[b], y[b], indices=b)
+        shop.update(x[b], y[b], indices=b, query_mask=qm[b], gallery_mask=~qm[b])
+    out, out_shop = m.compute(), shop.compute()
+    bad = []
+    for name, got, exp in (("all-vs-all", out, expected[0]), ("in-shop", out_shop, expected[1])):
+        if set(got) != set(exp):
+            bad.append(f"{name}: keys {sorted(got)} != {sorted(exp)}")
+        for key in exp:
+            if got.get(key) != exp[key]:
+                bad.append(f"{name} {key}: ddp={got.get(key)!r} single={exp[key]!r}")
+    dist.barrier()
+    dist.destroy_process_group()
+    if bad:
+        print(f"rank {rank} MISMATCH:\n" + "\n".join(bad), flush=True)
+        sys.exit(1)
+    if rank == 0:
+        print("DDP-METRICS-OK", out, out_shop, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    expected = single_process()
+    mp.spawn(worker, args=(free_port(), expected), nprocs=WORLD, join=True)
