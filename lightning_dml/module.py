@@ -12,7 +12,10 @@ from torch import nn
 
 from lightning_dml.losses import build_loss
 from lightning_dml.metrics import RetrievalMetrics
-from lightning_dml.models.heads import LinearEmbedding
+from lightning_dml.models.backbones import _check_levels, build_backbone
+from lightning_dml.models.heads import LinearEmbedding, MultiLevelEmbedding
+
+_FUSION = ("none", "concat", "per_level")
 
 
 def _default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -26,8 +29,15 @@ class DMLModule(pl.LightningModule):
     does (SPEC 9.2). Validation and test compute :class:`~lightning_dml.metrics.RetrievalMetrics` over the whole
     evaluated split and log them as ``val/recall@1``, ``test/map@r``, ...
 
+    Training tricks of the papers are options: frozen BatchNorm (``freeze_bn``, GPW Sec. IV: +4.3 R@1 on CUB), the
+    backbone frozen for the first epochs (``freeze_backbone_epochs``, GPW: 5), a larger learning rate for the new
+    layers (``head_lr_multiplier``, 10 in MS/GPW/RLL), iteration- or epoch-based schedules
+    (``scheduler_interval``), and multi-level fusion (``fusion``: RLL-(L,M,H), GPW "v2").
+
     Args:
-        backbone: a module mapping images to pooled features, exposing ``out_features``.
+        backbone: a module mapping images to pooled features, exposing ``out_features`` (e.g.
+            :class:`~lightning_dml.models.BNInception`), or a name of :data:`~lightning_dml.models.BACKBONES`
+            (built with its defaults, i.e. pretrained weights from the local cache).
         loss: a pair loss (``class_path``/``init_args`` in configs) or its registry name (``"multi_similarity"``).
         embedding_dim: width of the embedding.
         head_norm: normalisation after the embedding layer: ``"none"``, ``"batch"`` or ``"layer"``.
@@ -41,11 +51,24 @@ class DMLModule(pl.LightningModule):
         clustering: also compute NMI and F1 of a k-means clustering at evaluation.
         gather_distributed: under DDP, score each process's batch against the embeddings of all processes
             (autograd-aware all-gather), so every anchor sees the negatives of the global batch.
+        fusion: ``"none"``: one embedding of the backbone's last stage. ``"concat"``: one ``embedding_dim``-wide
+            embedding per backbone level (BN-Inception inception-3c/4e/5b, ResNet stages 2/3/4), concatenated
+            (``3 * embedding_dim`` wide) and trained with one loss on the concatenation (GPW "v2", SPEC 2.7 [I]).
+            ``"per_level"``: the same embeddings, one loss per level summed with weight 1 each (RLL's deep
+            supervision, SPEC 4.4 [C]); evaluation uses the concatenation (RLL-(L,M,H)).
+        normalize_levels: with fusion, L2-normalise each level's embedding before concatenating.
+        freeze_bn: keep every BatchNorm layer of the backbone frozen: running statistics (eval mode) and affine
+            parameters (no gradient, left out of the optimizer). GPW Sec. IV / Table I; the MS code's
+            ``set_bn_eval`` freezes the statistics. The head's own BatchNorm (``head_norm="batch"``) still trains.
+        freeze_backbone_epochs: train only the head (and loss parameters) for this many epochs; the backbone runs
+            in eval mode without gradient (weights and BN statistics unchanged), then trains (GPW: 5 epochs).
+            Under DDP this needs ``strategy: ddp_find_unused_parameters_true`` (the backbone has no gradient in
+            the frozen epochs).
     """
 
     def __init__(
         self,
-        backbone: nn.Module,
+        backbone: nn.Module | str,
         loss: nn.Module | str = "multi_similarity",
         embedding_dim: int = 512,
         head_norm: str = "none",
@@ -56,17 +79,39 @@ class DMLModule(pl.LightningModule):
         recall_at: Sequence[int] = (1, 2, 4, 8),
         clustering: bool = True,
         gather_distributed: bool = False,
+        fusion: str = "none",
+        normalize_levels: bool = False,
+        freeze_bn: bool = False,
+        freeze_backbone_epochs: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["backbone", "loss", "optimizer", "lr_scheduler"])
+        if isinstance(backbone, str):
+            backbone = build_backbone(backbone)
         if not hasattr(backbone, "out_features"):
             raise ValueError(f"backbone {type(backbone).__name__} must expose `out_features` (its feature width)")
         if head_lr_multiplier <= 0:
             raise ValueError(f"head_lr_multiplier must be positive, got {head_lr_multiplier}")
         if scheduler_interval not in ("epoch", "step"):
             raise ValueError(f"scheduler_interval must be 'epoch' or 'step', got {scheduler_interval!r}")
+        if fusion not in _FUSION:
+            raise ValueError(f"fusion must be one of {_FUSION}, got {fusion!r}")
+        if freeze_backbone_epochs < 0:
+            raise ValueError(f"freeze_backbone_epochs must be >= 0, got {freeze_backbone_epochs}")
         self.backbone = backbone
-        self.head = LinearEmbedding(int(backbone.out_features), embedding_dim, head_norm)
+        self.fusion = fusion
+        self.freeze_bn = freeze_bn
+        self.freeze_backbone_epochs = int(freeze_backbone_epochs)
+        self._backbone_frozen = False
+        if fusion == "none":
+            self.head: nn.Module = LinearEmbedding(int(backbone.out_features), embedding_dim, head_norm)
+        else:
+            levels = _check_levels(backbone)
+            self.head = MultiLevelEmbedding(levels, embedding_dim, head_norm, normalize_levels)
+        if freeze_bn:
+            for p in self._backbone_bn_parameters():
+                p.requires_grad_(False)
+            self._apply_frozen_modes()
         self.loss = build_loss(loss) if isinstance(loss, str) else loss
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
@@ -77,22 +122,90 @@ class DMLModule(pl.LightningModule):
         self.val_metrics = RetrievalMetrics(**metric_args)
         self.test_metrics = RetrievalMetrics(**metric_args)
 
+    def _features(self, images: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        """Backbone features (a list of levels with fusion), without gradient while the backbone is frozen."""
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self._backbone_frozen):
+            if self.fusion == "none":
+                return self.backbone(images)
+            return self.backbone.forward_levels(images)
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(self.backbone(images))
+        """Raw embeddings ``[B, embedding width]`` (the concatenation of the levels with fusion)."""
+        return self.head(self._features(images))
+
+    def embed_levels(self, images: torch.Tensor) -> list[torch.Tensor]:
+        """One raw embedding per backbone level (``fusion`` must be ``"concat"`` or ``"per_level"``)."""
+        if self.fusion == "none":
+            raise ValueError("embed_levels needs fusion='concat' or 'per_level', this module has fusion='none'")
+        return self.head.forward_levels(self._features(images))
 
     # ------------------------------------------------------------------ training
-    def training_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        images, labels = batch[0], batch[1]
-        embeddings = self(images)
+    def _pair_loss(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.gather_distributed and self.trainer.world_size > 1:
             from lightning_dml.losses.distributed import gather_from_other_ranks
 
             ref_embeddings, ref_labels = gather_from_other_ranks(embeddings, labels)
-            loss = self.loss(embeddings, labels, ref_embeddings=ref_embeddings, ref_labels=ref_labels)
+            return self.loss(embeddings, labels, ref_embeddings=ref_embeddings, ref_labels=ref_labels)
+        return self.loss(embeddings, labels)
+
+    def training_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        images, labels = batch[0], batch[1]
+        batch_size = labels.shape[0]
+        if self.fusion == "per_level":
+            level_losses = [self._pair_loss(e, labels) for e in self.embed_levels(images)]
+            for name, value in zip(self.backbone.level_names, level_losses):
+                self.log(f"train/loss_{name}", value, batch_size=batch_size)
+            loss = torch.stack(level_losses).sum()
         else:
-            loss = self.loss(embeddings, labels)
-        self.log("train/loss", loss, prog_bar=True, batch_size=labels.shape[0])
+            loss = self._pair_loss(self(images), labels)
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
         return loss
+
+    # ------------------------------------------------------------------ training tricks
+    def _backbone_bn_modules(self) -> list[nn.Module]:
+        return [m for m in self.backbone.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+    def _backbone_bn_parameters(self) -> list[nn.Parameter]:
+        return [p for m in self._backbone_bn_modules() for p in m.parameters(recurse=False)]
+
+    def _apply_frozen_modes(self) -> None:
+        """Put a frozen backbone, or the frozen BatchNorm layers, in eval mode (their statistics stay fixed)."""
+        if not hasattr(self, "backbone"):
+            return
+        if getattr(self, "_backbone_frozen", False):
+            self.backbone.eval()
+        elif getattr(self, "freeze_bn", False):
+            for m in self._backbone_bn_modules():
+                m.eval()
+
+    def train(self, mode: bool = True) -> DMLModule:
+        """Set train/eval mode; frozen BatchNorm layers and a frozen backbone stay in eval mode."""
+        super().train(mode)
+        if mode:
+            self._apply_frozen_modes()
+        return self
+
+    def set_backbone_frozen(self, frozen: bool) -> None:
+        """Freeze (no gradient, eval mode) or release the backbone; frozen BN parameters stay frozen."""
+        self._backbone_frozen = frozen
+        bn_params = {id(p) for p in self._backbone_bn_parameters()} if self.freeze_bn else set()
+        for p in self.backbone.parameters():
+            p.requires_grad_(not frozen and id(p) not in bn_params)
+        if not frozen and self.training:
+            self.backbone.train()
+        self._apply_frozen_modes()
+
+    def on_train_epoch_start(self) -> None:
+        # Lightning (>= 2.2) does not call .train() when fit starts and restores each submodule's mode after
+        # validation, so the frozen modes are (re)applied here
+        frozen = self.current_epoch < self.freeze_backbone_epochs
+        if frozen != self._backbone_frozen:
+            self.set_backbone_frozen(frozen)
+        self._apply_frozen_modes()
+
+    def on_fit_end(self) -> None:
+        if self._backbone_frozen:  # fit ended within the frozen epochs: hand back a trainable backbone
+            self.set_backbone_frozen(False)
 
     # ------------------------------------------------------------------ evaluation
     def _evaluation_step(self, metric: RetrievalMetrics, batch: Sequence[torch.Tensor]) -> None:
@@ -126,10 +239,15 @@ class DMLModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def parameter_groups(self) -> list[dict[str, Any]]:
-        """Backbone and head parameters as separate groups (the head's lr is scaled in configure_optimizers)."""
+        """Backbone and head parameters as separate groups (the head's lr is scaled in configure_optimizers).
+
+        With ``freeze_bn`` the backbone's BatchNorm weights and biases are left out (they never change).
+        """
         head_params = list(self.head.parameters())
         loss_params = [p for p in self.loss.parameters() if p.requires_grad]
-        groups = [{"params": list(self.backbone.parameters()), "name": "backbone"}]
+        frozen = {id(p) for p in self._backbone_bn_parameters()} if self.freeze_bn else set()
+        backbone_params = [p for p in self.backbone.parameters() if id(p) not in frozen]
+        groups = [{"params": backbone_params, "name": "backbone"}]
         groups.append({"params": head_params + loss_params, "name": "head"})
         return groups
 
