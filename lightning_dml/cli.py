@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pytorch_lightning.cli import LightningCLI
 
 from lightning_dml.data.base import DMLDataModule
+from lightning_dml.data.input_spec import backbone_input_spec
 from lightning_dml.module import DMLModule
 
 
@@ -22,6 +23,10 @@ class DMLCLI(LightningCLI):
     """LightningCLI with the library's defaults: W&B logging offline, no sanity validation on partial data."""
 
     def add_arguments_to_parser(self, parser) -> None:
+        # the backbone's input convention (colour order, value scale, mean/std) sets the data module's preprocessing
+        parser.link_arguments(
+            "model", "data.init_args.input_spec", compute_fn=backbone_input_spec, apply_on="instantiate"
+        )
         parser.set_defaults(
             {
                 "trainer.logger": {

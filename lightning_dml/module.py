@@ -211,7 +211,9 @@ class DMLModule(pl.LightningModule):
     def _evaluation_step(self, metric: RetrievalMetrics, batch: Sequence[torch.Tensor]) -> None:
         images, labels = batch[0], batch[1]
         indices = batch[2] if len(batch) > 2 else None
-        metric.update(self(images), labels, indices=indices)
+        # query/gallery benchmarks (In-Shop) yield (image, label, index, is_query, is_gallery)
+        query_mask, gallery_mask = (batch[3], batch[4]) if len(batch) > 4 else (None, None)
+        metric.update(self(images), labels, indices=indices, query_mask=query_mask, gallery_mask=gallery_mask)
 
     def _log_metrics(self, metric: RetrievalMetrics, prefix: str) -> dict[str, float]:
         values = metric.compute()

@@ -1,7 +1,38 @@
-"""Data modules and samplers."""
+"""Data modules, datasets, samplers and the input convention."""
 
 from lightning_dml.data.base import DMLDataModule, TensorImageDataset
+from lightning_dml.data.cars import Cars196DataModule
+from lightning_dml.data.cub import CUB200DataModule
+from lightning_dml.data.files import DatasetLayoutError, ImageFilesDataModule
+from lightning_dml.data.folder import ImageFolderDataModule
 from lightning_dml.data.glyphs import GlyphsDataModule
-from lightning_dml.data.samplers import BalancedClassSampler
+from lightning_dml.data.image_list import CorruptImageError, ImageListDataset
+from lightning_dml.data.inshop import InShopDataModule
+from lightning_dml.data.input_spec import BNINCEPTION, TORCHVISION_IMAGENET, InputSpec
+from lightning_dml.data.samplers import BalancedClassSampler, EvalShardSampler, NPairSampler
+from lightning_dml.data.sop import SOPDataModule
+from lightning_dml.data.transforms import ToInputSpec, eval_transform, train_transform
 
-__all__ = ["BalancedClassSampler", "DMLDataModule", "GlyphsDataModule", "TensorImageDataset"]
+__all__ = [
+    "BNINCEPTION",
+    "TORCHVISION_IMAGENET",
+    "BalancedClassSampler",
+    "CUB200DataModule",
+    "Cars196DataModule",
+    "CorruptImageError",
+    "DMLDataModule",
+    "DatasetLayoutError",
+    "EvalShardSampler",
+    "GlyphsDataModule",
+    "ImageFilesDataModule",
+    "ImageFolderDataModule",
+    "ImageListDataset",
+    "InShopDataModule",
+    "InputSpec",
+    "NPairSampler",
+    "SOPDataModule",
+    "TensorImageDataset",
+    "ToInputSpec",
+    "eval_transform",
+    "train_transform",
+]

@@ -1,14 +1,19 @@
-"""The shared base of every data module: P x K training batches, ordered evaluation over the test split."""
+"""The shared base of every data module: P x K training batches, sharded ordered evaluation over the test split."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_dml.data.samplers import BalancedClassSampler
+from lightning_dml.data.image_list import collate_skipping
+from lightning_dml.data.resumable import ResumableDataLoader
+from lightning_dml.data.samplers import BalancedClassSampler, EvalShardSampler, NPairSampler
 
 
 class DMLDataModule(pl.LightningDataModule):
@@ -16,16 +21,29 @@ class DMLDataModule(pl.LightningDataModule):
 
     Subclasses implement :meth:`build_datasets`, returning the training and test datasets. Each dataset yields
     ``(image, label, index)`` with ``index`` the item's position in its split, and exposes ``labels`` (one int per
-    item). Training batches are P x K batches from :class:`BalancedClassSampler`; validation and test iterate the
-    test split in order (the papers select the best epoch on the test split: it is logged as ``val/`` and named
-    ``test_as_val`` in the hyper-parameters).
+    item). Training batches are P x K batches from :class:`BalancedClassSampler` (or N x 2 from
+    :class:`NPairSampler`); validation and test iterate the test split in order. The papers select the best
+    epoch on the test split (SPEC 1.2, 9.3): with ``val_classes_fraction=0`` validation *is* the test split
+    (:attr:`test_as_val` is ``True``); ``val_classes_fraction > 0`` holds out that fraction of the *training
+    classes* (chosen by ``seed``) as an honest validation split, removed from training.
+
+    DDP: the training batch sampler shards itself (each process draws its own complete P x K batches), so
+    Lightning's automatic ``DistributedSampler`` replacement, which would deal every world-size-th index of a
+    batch to each process, is turned off in :meth:`setup` (the equivalent of
+    ``Trainer(use_distributed_sampler=False)``; a message says so), and validation/test/predict are sharded here
+    with :class:`EvalShardSampler` (every item evaluated exactly once across processes, no padding).
 
     Args:
         classes_per_batch: P, classes per training batch.
         samples_per_class: K, images per class in a training batch. The batch size is P * K.
         eval_batch_size: batch size of validation, test and predict.
         num_workers: DataLoader worker processes.
-        seed: seed of the training sampler (batches depend on seed, epoch and rank).
+        seed: seed of the training sampler (batches depend on seed, epoch and rank) and of the validation split.
+        sampler: ``"balanced"`` (P x K) or ``"npair"`` (N x 2, ``samples_per_class`` must be 2).
+        hard_class_mining: with ``sampler="npair"``, the N-pair paper's hard negative class mining (needs class
+            embeddings, see :class:`~lightning_dml.data.mining.ClassEmbeddingRefresh`).
+        val_classes_fraction: fraction of the training classes held out as the validation split (0: validate on
+            the test split, as the papers do).
     """
 
     def __init__(
@@ -35,71 +53,211 @@ class DMLDataModule(pl.LightningDataModule):
         eval_batch_size: int = 256,
         num_workers: int = 0,
         seed: int = 0,
+        sampler: str = "balanced",
+        hard_class_mining: bool = False,
+        val_classes_fraction: float = 0.0,
     ) -> None:
         super().__init__()
+        if classes_per_batch < 1 or samples_per_class < 1:
+            raise ValueError(
+                f"classes_per_batch and samples_per_class must be >= 1, got {classes_per_batch} and {samples_per_class}"
+            )
+        if eval_batch_size < 1 or num_workers < 0:
+            raise ValueError(f"need eval_batch_size >= 1 and num_workers >= 0, got {eval_batch_size}, {num_workers}")
+        if sampler not in ("balanced", "npair"):
+            raise ValueError(f"sampler must be 'balanced' or 'npair', got {sampler!r}")
+        if sampler == "npair" and samples_per_class != 2:
+            raise ValueError(f"sampler='npair' draws 2 images per class: set samples_per_class=2, got {samples_per_class}")
+        if hard_class_mining and sampler != "npair":
+            raise ValueError("hard_class_mining is the N-pair paper's class mining: it needs sampler='npair'")
+        if not 0.0 <= val_classes_fraction < 1.0:
+            raise ValueError(f"val_classes_fraction must be in [0, 1), got {val_classes_fraction}")
         self.classes_per_batch = classes_per_batch
         self.samples_per_class = samples_per_class
         self.eval_batch_size = eval_batch_size
         self.num_workers = num_workers
         self.seed = seed
+        self.sampler = sampler
+        self.hard_class_mining = hard_class_mining
+        self.val_classes_fraction = val_classes_fraction
         self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
+        self.train_sampler: BalancedClassSampler | None = None
 
     @property
     def batch_size(self) -> int:
         return self.classes_per_batch * self.samples_per_class
 
+    @property
+    def test_as_val(self) -> bool:
+        """Whether validation runs on the test split (the papers' protocol) rather than held-out train classes."""
+        return self.val_classes_fraction == 0.0
+
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """Return ``(train_dataset, test_dataset)``; implemented by every concrete data module."""
         raise NotImplementedError(f"{type(self).__name__} must implement build_datasets()")
 
-    def setup(self, stage: str | None = None) -> None:
-        if self.train_dataset is None or self.test_dataset is None:
-            self.train_dataset, self.test_dataset = self.build_datasets()
+    def make_eval_view(self, dataset: Dataset, indices: np.ndarray) -> Dataset:
+        """The items ``indices`` of a training dataset as an evaluation dataset (eval transforms, renumbered).
 
+        Datasets implement ``subset(indices, transform, evaluation)``; file datasets pass their eval transform.
+        """
+        if not hasattr(dataset, "subset"):
+            raise TypeError(f"{type(dataset).__name__} has no subset(): val_classes_fraction is not supported")
+        return dataset.subset(indices, getattr(self, "eval_transform", None), True)
+
+    def _hold_out_validation(self, train: Dataset) -> tuple[Dataset, Dataset]:
+        labels = torch.as_tensor(train.labels).numpy()
+        classes = np.unique(labels)
+        num_val = int(round(len(classes) * self.val_classes_fraction))
+        if num_val < 1 or len(classes) - num_val < self.classes_per_batch:
+            raise ValueError(
+                f"val_classes_fraction={self.val_classes_fraction} of {len(classes)} training classes leaves "
+                f"{num_val} validation and {len(classes) - num_val} training classes (need >= 1 and >= "
+                f"classes_per_batch={self.classes_per_batch})"
+            )
+        rng = np.random.default_rng([self.seed, 7])
+        val_classes = rng.choice(classes, size=num_val, replace=False)
+        is_val = np.isin(labels, val_classes)
+        train_idx, val_idx = np.flatnonzero(~is_val), np.flatnonzero(is_val)
+        if not hasattr(train, "subset"):
+            raise TypeError(f"{type(train).__name__} has no subset(): val_classes_fraction is not supported")
+        return train.subset(train_idx, getattr(train, "transform", None), False), self.make_eval_view(train, val_idx)
+
+    def setup(self, stage: str | None = None) -> None:
+        self._turn_off_distributed_sampler_replacement()
+        if self.train_dataset is None or self.test_dataset is None:
+            train, test = self.build_datasets()
+            if self.val_classes_fraction > 0:
+                train, self.val_dataset = self._hold_out_validation(train)
+            else:
+                self.val_dataset = test
+            self.train_dataset, self.test_dataset = train, test
+
+    # ------------------------------------------------------------------ DDP
+    def _turn_off_distributed_sampler_replacement(self) -> None:
+        """Lightning would wrap the training batch sampler into a ``DistributedSampler`` scheme that splits the
+        class groups; our samplers shard themselves, so the replacement is switched off (as
+        ``Trainer(use_distributed_sampler=False)`` would)."""
+        trainer = self._trainer if hasattr(self, "_trainer") else None
+        connector = getattr(trainer, "_accelerator_connector", None) if trainer is not None else None
+        if connector is None or not getattr(connector, "is_distributed", False):
+            return
+        if getattr(connector, "use_distributed_sampler", False):
+            connector.use_distributed_sampler = False
+            rank_zero_info(
+                f"{type(self).__name__}: switched off Lightning's distributed sampler replacement "
+                "(use_distributed_sampler=False): P x K batches are sharded by the batch sampler, evaluation "
+                "by the data module"
+            )
+
+    def _check_no_replacement(self) -> None:
+        trainer = self._trainer if hasattr(self, "_trainer") else None
+        connector = getattr(trainer, "_accelerator_connector", None) if trainer is not None else None
+        if connector is not None and getattr(connector, "is_distributed", False):
+            if getattr(connector, "use_distributed_sampler", False):
+                raise RuntimeError(
+                    f"{type(self).__name__}: Lightning's distributed sampler replacement is on under DDP; it would "
+                    "split every P x K batch across processes. Pass Trainer(use_distributed_sampler=False)."
+                )
+
+    # ------------------------------------------------------------------ loaders
     def _loader_kwargs(self) -> dict[str, Any]:
         return {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
 
+    def build_train_sampler(self) -> BalancedClassSampler:
+        """The training batch sampler (seeded by ``seed``; rank and world size read from ``torch.distributed``)."""
+        labels = self.train_dataset.labels
+        if self.sampler == "npair":
+            return NPairSampler(labels, self.classes_per_batch, seed=self.seed, hard_class_mining=self.hard_class_mining)
+        return BalancedClassSampler(labels, self.classes_per_batch, self.samples_per_class, seed=self.seed)
+
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
-        sampler = BalancedClassSampler(
-            self.train_dataset.labels, self.classes_per_batch, self.samples_per_class, seed=self.seed
+        self._check_no_replacement()
+        self.train_sampler = self.build_train_sampler()
+        # Resumable: a run restarted from a mid-epoch checkpoint continues the epoch's batch sequence.
+        return ResumableDataLoader(
+            self.train_dataset, batch_sampler=self.train_sampler, collate_fn=collate_skipping, **self._loader_kwargs()
         )
-        return DataLoader(self.train_dataset, batch_sampler=sampler, **self._loader_kwargs())
 
-    def _eval_dataloader(self) -> DataLoader:
-        self.setup("test")
-        return DataLoader(self.test_dataset, batch_size=self.eval_batch_size, shuffle=False, **self._loader_kwargs())
+    def _eval_loader(self, dataset: Dataset) -> DataLoader:
+        sampler = EvalShardSampler(dataset)
+        return DataLoader(
+            dataset,
+            batch_size=self.eval_batch_size,
+            sampler=sampler,
+            shuffle=False,
+            collate_fn=collate_skipping,
+            **self._loader_kwargs(),
+        )
 
     def val_dataloader(self) -> DataLoader:
-        return self._eval_dataloader()
+        self.setup("validate")
+        return self._eval_loader(self.val_dataset)
 
     def test_dataloader(self) -> DataLoader:
-        return self._eval_dataloader()
+        self.setup("test")
+        return self._eval_loader(self.test_dataset)
 
     def predict_dataloader(self) -> DataLoader:
-        return self._eval_dataloader()
+        self.setup("predict")
+        return self._eval_loader(self.test_dataset)
+
+    def full_test_dataloader(self) -> DataLoader:
+        """The whole test split in order, unsharded (for evaluation done by one process outside the loops)."""
+        self.setup("test")
+        return DataLoader(
+            self.test_dataset,
+            batch_size=self.eval_batch_size,
+            shuffle=False,
+            collate_fn=collate_skipping,
+            num_workers=self.num_workers,
+        )
 
 
 class TensorImageDataset(Dataset):
     """Images held in memory as one uint8 tensor ``[N, C, H, W]``; items are ``(image, label, index)``.
 
-    ``image`` is float, scaled to [0, 1] and standardised with ``mean``/``std``.
+    ``image = (pixels * scale / 255 - mean) / std`` as float; ``mean``/``std`` are scalars or one value per channel
+    (``scale`` 1 gives [0, 1] pixels, 255 the Caffe convention).
     """
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, mean: float = 0.0, std: float = 1.0) -> None:
+    def __init__(
+        self,
+        images: torch.Tensor,
+        labels: torch.Tensor,
+        mean: float | Sequence[float] = 0.0,
+        std: float | Sequence[float] = 1.0,
+        scale: float = 1.0,
+    ) -> None:
         if images.ndim != 4 or images.dtype != torch.uint8:
             raise ValueError(f"images must be a uint8 tensor [N, C, H, W], got {images.dtype} {tuple(images.shape)}")
         if labels.shape != (images.shape[0],):
             raise ValueError(f"labels must have shape ({images.shape[0]},), got {tuple(labels.shape)}")
+        channels = images.shape[1]
+        self._mean = torch.as_tensor(mean, dtype=torch.float32).reshape(-1, 1, 1)
+        self._std = torch.as_tensor(std, dtype=torch.float32).reshape(-1, 1, 1)
+        for name, value in (("mean", self._mean), ("std", self._std)):
+            if value.shape[0] not in (1, channels):
+                raise ValueError(f"{name} must be a scalar or have {channels} values, got {value.shape[0]}")
+        if bool((self._std <= 0).any()):
+            raise ValueError(f"std must be positive, got {std}")
         self.images = images
         self.labels = labels.long()
         self.mean = mean
         self.std = std
+        self.scale = float(scale)
 
     def __len__(self) -> int:
         return self.images.shape[0]
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int, int]:
-        image = (self.images[index].float() / 255.0 - self.mean) / self.std
-        return image, int(self.labels[index]), index
+        image = (self.images[index].float() * (self.scale / 255.0) - self._mean) / self._std
+        return image, int(self.labels[index]), int(index)
+
+    def subset(self, indices: Any, transform: Any = None, evaluation: bool = False) -> "TensorImageDataset":
+        """The items ``indices`` renumbered from 0 (no transform: the images are already tensors)."""
+        idx = torch.as_tensor(np.asarray(indices), dtype=torch.long)
+        return TensorImageDataset(self.images[idx], self.labels[idx], self.mean, self.std, self.scale)

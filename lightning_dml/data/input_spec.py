@@ -51,3 +51,16 @@ TORCHVISION_IMAGENET = InputSpec()
 
 #: BN-Inception from ``pretrainedmodels`` (Caffe-converted): BGR in [0, 255], mean [104, 117, 128], std 1.
 BNINCEPTION = InputSpec(color="BGR", scale=255.0, mean=(104.0, 117.0, 128.0), std=(1.0, 1.0, 1.0))
+
+
+def backbone_input_spec(model: object) -> InputSpec | None:
+    """The :class:`InputSpec` a model's backbone declares (``model.backbone.input_spec``), or ``None``.
+
+    The CLI links it to the data module's ``input_spec`` (``link_arguments(..., apply_on="instantiate")``), so a
+    config cannot pair a backbone with another backbone's preprocessing; ``None`` keeps the data module's default.
+    """
+    backbone = getattr(model, "backbone", model)
+    spec = getattr(backbone, "input_spec", None)
+    if spec is not None and not isinstance(spec, InputSpec):
+        raise TypeError(f"{type(backbone).__name__}.input_spec must be an InputSpec, got {type(spec).__name__}")
+    return spec

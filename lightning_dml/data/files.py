@@ -1,0 +1,255 @@
+"""The base of the data modules that read a benchmark's image files from disk.
+
+Nothing is downloaded: each data module reads the official on-disk layout of its dataset (see
+``docs/datasets.md``). ``root`` may be the folder that holds the dataset's top folder or that top folder itself.
+What is found is checked against the papers' counts (SPEC 1.1): a different count is a warning naming the
+difference, a missing list file or image is an error naming it and describing the expected layout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from pytorch_lightning.utilities import rank_zero_warn
+
+from lightning_dml.data.base import DMLDataModule
+from lightning_dml.data.image_list import ImageListDataset
+from lightning_dml.data.input_spec import TORCHVISION_IMAGENET, InputSpec
+from lightning_dml.data.transforms import default_resize_size, eval_transform, train_transform
+
+
+class DatasetLayoutError(FileNotFoundError):
+    """A dataset folder does not have the expected layout (a list file or image is missing)."""
+
+
+@dataclass
+class SplitFiles:
+    """One split read from a dataset's list files: image paths, labels, optional boxes and query/gallery masks."""
+
+    paths: list[Path]
+    labels: np.ndarray
+    boxes: np.ndarray | None = None
+    query_mask: np.ndarray | None = None
+    gallery_mask: np.ndarray | None = None
+
+
+def find_top_folder(root: str | os.PathLike, names: Sequence[str], markers: Sequence[str], dataset: str, layout: str) -> Path:
+    """Return the dataset's top folder: ``root`` itself or ``root/<name>`` for a name in ``names``, whichever
+    contains one of ``markers`` (relative paths). Raise :class:`DatasetLayoutError` describing ``layout`` otherwise."""
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise DatasetLayoutError(f"{dataset}: root folder {root} does not exist. Expected layout:\n{layout}")
+    for candidate in [root, *(root / name for name in names)]:
+        if any((candidate / marker).is_file() for marker in markers):
+            return candidate
+    looked = ", ".join(str(root / name) for name in names)
+    raise DatasetLayoutError(
+        f"{dataset}: none of {list(markers)} found in {root}" + (f" or in {looked}" if names else "")
+        + f". Expected layout:\n{layout}"
+    )
+
+
+def require_file(path: Path, dataset: str, layout: str) -> Path:
+    """``path`` if it is a file, else :class:`DatasetLayoutError` naming it and describing ``layout``."""
+    if not path.is_file():
+        raise DatasetLayoutError(f"{dataset}: missing file {path}. Expected layout:\n{layout}")
+    return path
+
+
+def check_images_exist(paths: Sequence[Path], dataset: str, layout: str) -> None:
+    """Raise :class:`DatasetLayoutError` naming the first missing images, if any."""
+    missing = [p for p in paths if not p.is_file()]
+    if missing:
+        shown = "\n  ".join(str(p) for p in missing[:5])
+        raise DatasetLayoutError(
+            f"{dataset}: {len(missing)} of {len(paths)} listed images are missing, e.g.\n  {shown}\n"
+            f"Expected layout:\n{layout}"
+        )
+
+
+def count_differences(found: dict[str, int], expected: dict[str, int]) -> list[str]:
+    """One ``"<found> <what> instead of <expected> (<difference>)"`` line per count that differs from the papers'."""
+    lines = []
+    for key, value in expected.items():
+        if found[key] != value:
+            what = key if "classes" in key else f"{key} images"
+            lines.append(f"{found[key]:,} {what} instead of {value:,} ({found[key] - value:+,})")
+    return lines
+
+
+class ImageFilesDataModule(DMLDataModule):
+    """Shared base of the benchmark data modules reading image files (CUB, Cars196, SOP, In-Shop, own images).
+
+    Subclasses implement :meth:`read_splits` (returning ``{"train": SplitFiles, "test": SplitFiles}``) and set
+    ``dataset_name``, ``layout`` (a description of the expected files) and ``expected_counts``.
+
+    Images go through the paper-standard transforms (:mod:`lightning_dml.data.transforms`): training: random
+    resized crop ``image_size`` + horizontal flip; test: resize ``resize_size`` + centre crop ``image_size``;
+    both end with the conversion to ``input_spec`` (colour order, value scale, mean/std of the backbone, linked
+    from ``model.backbone.input_spec`` by the CLI).
+
+    Args:
+        root: the folder holding the dataset's top folder, or that top folder itself.
+        classes_per_batch: P. samples_per_class: K (batch size P * K).
+        num_workers: DataLoader worker processes.
+        image_size: side of the crop the network sees; default ``input_spec.crop_size`` (224).
+        input_spec: the backbone's input convention (default torchvision's ImageNet RGB, [0, 1], mean/std).
+        resize_size: test-time shorter-side resize; default 256 for crops 224-256, else scaled with the crop.
+        crop_scale: area range of the training random resized crop (torchvision's default (0.08, 1)).
+        eval_batch_size, seed, sampler, hard_class_mining, val_classes_fraction: see :class:`DMLDataModule`.
+        on_corrupt: ``"error"``: an unreadable image raises an error naming the file; ``"skip"``: warn and skip.
+        check_counts: compare the numbers of images (and classes) with the papers' and warn on a difference.
+        check_files: check at setup that every listed image exists (an error names the missing ones).
+    """
+
+    dataset_name: str = "dataset"
+    layout: str = ""
+    expected_counts: dict[str, int] = {}
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        classes_per_batch: int = 16,
+        samples_per_class: int = 4,
+        num_workers: int = 4,
+        image_size: int | None = None,
+        input_spec: InputSpec | None = None,
+        resize_size: int | None = None,
+        crop_scale: tuple[float, float] = (0.08, 1.0),
+        eval_batch_size: int = 128,
+        seed: int = 0,
+        sampler: str = "balanced",
+        hard_class_mining: bool = False,
+        val_classes_fraction: float = 0.0,
+        on_corrupt: str = "error",
+        check_counts: bool = True,
+        check_files: bool = True,
+    ) -> None:
+        super().__init__(
+            classes_per_batch, samples_per_class, eval_batch_size, num_workers, seed, sampler, hard_class_mining,
+            val_classes_fraction,
+        )
+        if input_spec is None:
+            input_spec = TORCHVISION_IMAGENET
+        if not isinstance(input_spec, InputSpec):
+            raise TypeError(f"input_spec must be an InputSpec, got {type(input_spec).__name__}")
+        if on_corrupt not in ("error", "skip"):
+            raise ValueError(f"on_corrupt must be 'error' or 'skip', got {on_corrupt!r}")
+        if image_size is not None and image_size < 8:
+            raise ValueError(f"image_size must be at least 8 pixels, got {image_size}")
+        low, high = crop_scale
+        if not 0 < low <= high <= 1:
+            raise ValueError(f"crop_scale must satisfy 0 < low <= high <= 1, got {tuple(crop_scale)}")
+        self.root = Path(root).expanduser()
+        self.input_spec = input_spec
+        self.image_size = int(image_size) if image_size is not None else input_spec.crop_size
+        self.resize_size = int(resize_size) if resize_size is not None else default_resize_size(self.image_size, input_spec)
+        if self.resize_size < self.image_size:
+            raise ValueError(f"resize_size ({self.resize_size}) must be at least image_size ({self.image_size})")
+        self.crop_scale = (float(low), float(high))
+        self.on_corrupt = on_corrupt
+        self.check_counts = check_counts
+        self.check_files = check_files
+        self.top: Path | None = None
+        self.count_warnings: list[str] = []
+
+    # ------------------------------------------------------------------ transforms
+    @property
+    def mode(self) -> str:
+        return "L" if self.input_spec.color == "L" else "RGB"
+
+    @property
+    def train_transform(self):
+        return train_transform(self.input_spec, self.image_size, self.crop_scale)
+
+    @property
+    def eval_transform(self):
+        return eval_transform(self.input_spec, self.image_size, self.resize_size)
+
+    # ------------------------------------------------------------------ reading
+    def find_top(self) -> Path:
+        """The dataset's top folder (see :func:`find_top_folder`); subclasses say which names and markers."""
+        raise NotImplementedError
+
+    def read_splits(self, top: Path) -> dict[str, SplitFiles]:
+        """``{"train": SplitFiles, "test": SplitFiles}`` read from the list files under ``top``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement read_splits()")
+
+    def _check_counts(self, splits: dict[str, SplitFiles], top: Path) -> None:
+        counts = {
+            "train": len(splits["train"].paths),
+            "test": len(splits["test"].paths),
+            "train classes": len(np.unique(splits["train"].labels)),
+            "test classes": len(np.unique(splits["test"].labels)),
+        }
+        test = splits["test"]
+        if test.query_mask is not None:
+            counts["query"] = int(np.sum(test.query_mask))
+            counts["gallery"] = int(np.sum(test.gallery_mask))
+        differences = count_differences(counts, self.expected_counts)
+        if differences:
+            message = (
+                f"{self.dataset_name} at {top} differs from the copy the papers use (SPEC 1.1): "
+                + "; ".join(differences)
+                + ". Results are not comparable with the published numbers."
+            )
+            self.count_warnings.append(message)
+            rank_zero_warn(message, category=UserWarning)
+
+    def build_datasets(self) -> tuple[ImageListDataset, ImageListDataset]:
+        top = self.find_top()
+        self.top = top
+        splits = self.read_splits(top)
+        for name in ("train", "test"):
+            if len(splits[name].paths) == 0:
+                raise DatasetLayoutError(f"{self.dataset_name} at {top}: the {name} split is empty. Expected layout:\n{self.layout}")
+        if self.check_files:
+            check_images_exist(splits["train"].paths + splits["test"].paths, self.dataset_name, self.layout)
+        if self.check_counts:
+            self._check_counts(splits, top)
+        train, test = splits["train"], splits["test"]
+        train_ds = ImageListDataset(
+            train.paths, train.labels, self.train_transform, train.boxes, self.mode,
+            f"{self.dataset_name} train", self.on_corrupt, evaluation=False,
+        )
+        test_ds = ImageListDataset(
+            test.paths, test.labels, self.eval_transform, test.boxes, self.mode, f"{self.dataset_name} test",
+            self.on_corrupt, evaluation=True,
+            query_mask=None if test.query_mask is None else torch.from_numpy(np.asarray(test.query_mask, dtype=bool)),
+            gallery_mask=None if test.gallery_mask is None else torch.from_numpy(np.asarray(test.gallery_mask, dtype=bool)),
+        )
+        return train_ds, test_ds
+
+
+def read_whitespace_table(path: Path, columns: int, dataset: str, skip: int = 0) -> list[list[str]]:
+    """Rows of a whitespace-separated list file, each split into ``columns`` fields (the last keeps spaces).
+
+    A malformed line raises ``ValueError`` naming the file and the line number.
+    """
+    rows: list[list[str]] = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if number <= skip or not line.strip():
+                continue
+            fields = line.split(maxsplit=columns - 1)
+            if len(fields) != columns:
+                raise ValueError(f"{dataset}: {path} line {number}: expected {columns} fields, got {line.strip()!r}")
+            rows.append([f.strip() for f in fields])
+    return rows
+
+
+__all__ = [
+    "DatasetLayoutError",
+    "ImageFilesDataModule",
+    "SplitFiles",
+    "count_differences",
+    "check_images_exist",
+    "find_top_folder",
+    "read_whitespace_table",
+    "require_file",
+]

@@ -1,0 +1,148 @@
+"""A user's own images: ``train/<class>/*`` + ``test/<class>/*`` folders, or a CSV of ``path,label,split``.
+
+The same samplers, transforms and evaluation as the benchmarks. For zero-shot retrieval the train and test
+classes should be disjoint (a warning says when they are not). A CSV may instead split the evaluation set into
+``query`` and ``gallery`` rows (In-Shop style: queries are ranked against the gallery).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+from pathlib import Path
+
+import numpy as np
+from pytorch_lightning.utilities import rank_zero_warn
+
+from lightning_dml.data.files import DatasetLayoutError, ImageFilesDataModule, SplitFiles
+from lightning_dml.data.input_spec import InputSpec
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+
+FOLDER_LAYOUT = """\
+  either  <root>/train/<class name>/<image>.jpg ... and <root>/test/<class name>/<image>.jpg ...
+  or      a CSV file (root=<file>.csv, or csv_file=...) with rows  path,label,split
+          (optional header; path relative to the CSV's folder or absolute; label any class name;
+          split train, test, or query/gallery instead of test)"""
+
+
+class ImageFolderDataModule(ImageFilesDataModule):
+    """Own images from class folders or a CSV list, with the benchmarks' samplers, transforms and evaluation.
+
+    Labels are the class names mapped to 0..C-1 in sorted order over all splits (a name in both splits gets one
+    label). Image extensions recognised in folders: ``IMAGE_EXTENSIONS`` (case-insensitive).
+
+    Args:
+        root: the folder with ``train/`` and ``test/``, or a CSV file.
+        csv_file: a CSV file (relative to ``root`` or absolute); overrides the folder layout.
+        **kwargs: see :class:`~lightning_dml.data.files.ImageFilesDataModule`.
+    """
+
+    dataset_name = "image folder"
+    layout = FOLDER_LAYOUT
+    expected_counts: dict[str, int] = {}
+
+    def __init__(
+        self,
+        root: str,
+        classes_per_batch: int = 16,
+        samples_per_class: int = 4,
+        num_workers: int = 4,
+        image_size: int | None = None,
+        input_spec: InputSpec | None = None,
+        csv_file: str | None = None,
+        **kwargs,
+    ) -> None:
+        super().__init__(root, classes_per_batch, samples_per_class, num_workers, image_size, input_spec, **kwargs)
+        self.csv_file = csv_file
+        self.class_names: list[str] = []
+
+    def _csv_path(self) -> Path | None:
+        if self.csv_file is not None:
+            path = Path(self.csv_file).expanduser()
+            return path if path.is_absolute() else self.root / path
+        if self.root.suffix.lower() == ".csv":
+            return self.root
+        return None
+
+    def find_top(self) -> Path:
+        csv_path = self._csv_path()
+        if csv_path is not None:
+            if not csv_path.is_file():
+                raise DatasetLayoutError(f"{self.dataset_name}: CSV file {csv_path} does not exist. Expected layout:\n{self.layout}")
+            return csv_path.parent
+        for split in ("train", "test"):
+            if not (self.root / split).is_dir():
+                raise DatasetLayoutError(
+                    f"{self.dataset_name}: folder {self.root / split} does not exist. Expected layout:\n{self.layout}"
+                )
+        return self.root
+
+    def _read_folders(self, top: Path) -> dict[str, list[tuple[Path, str]]]:
+        out: dict[str, list[tuple[Path, str]]] = {}
+        for split in ("train", "test"):
+            items = []
+            for class_dir in sorted(p for p in (top / split).iterdir() if p.is_dir()):
+                for dirpath, dirnames, filenames in os.walk(class_dir):
+                    dirnames.sort()
+                    for filename in sorted(filenames):
+                        if filename.lower().endswith(IMAGE_EXTENSIONS):
+                            items.append((Path(dirpath) / filename, class_dir.name))
+            out[split] = items
+        return out
+
+    def _read_csv(self, path: Path) -> dict[str, list[tuple[Path, str]]]:
+        out: dict[str, list[tuple[Path, str]]] = {"train": [], "test": [], "query": [], "gallery": []}
+        with open(path, newline="", encoding="utf-8") as handle:
+            for number, row in enumerate(csv.reader(handle), start=1):
+                if not row or all(not field.strip() for field in row):
+                    continue
+                if number == 1 and [f.strip().lower() for f in row] == ["path", "label", "split"]:
+                    continue
+                if len(row) != 3:
+                    raise ValueError(f"{self.dataset_name}: {path} line {number}: expected path,label,split, got {row}")
+                file, label, split = (f.strip() for f in row)
+                split = split.lower()
+                if split not in out:
+                    raise ValueError(
+                        f"{self.dataset_name}: {path} line {number}: split must be train, test, query or gallery, "
+                        f"got {split!r}"
+                    )
+                image = Path(file).expanduser()
+                out[split].append((image if image.is_absolute() else path.parent / image, label))
+        if out["test"] and (out["query"] or out["gallery"]):
+            raise ValueError(f"{self.dataset_name}: {path} mixes 'test' rows with 'query'/'gallery' rows; use one or the other")
+        if bool(out["query"]) != bool(out["gallery"]):
+            raise ValueError(f"{self.dataset_name}: {path} has 'query' rows without 'gallery' rows or the reverse")
+        return out
+
+    def read_splits(self, top: Path) -> dict[str, SplitFiles]:
+        csv_path = self._csv_path()
+        items = self._read_csv(csv_path) if csv_path is not None else self._read_folders(top)
+        names = sorted({label for rows in items.values() for _, label in rows})
+        self.class_names = names
+        index = {name: i for i, name in enumerate(names)}
+
+        def split_files(rows: list[tuple[Path, str]]) -> tuple[list[Path], np.ndarray]:
+            return [p for p, _ in rows], np.asarray([index[label] for _, label in rows], dtype=np.int64)
+
+        train_paths, train_labels = split_files(items["train"])
+        if items.get("query"):
+            q_paths, q_labels = split_files(items["query"])
+            g_paths, g_labels = split_files(items["gallery"])
+            test = SplitFiles(
+                q_paths + g_paths,
+                np.concatenate([q_labels, g_labels]),
+                query_mask=np.arange(len(q_paths) + len(g_paths)) < len(q_paths),
+                gallery_mask=np.arange(len(q_paths) + len(g_paths)) >= len(q_paths),
+            )
+        else:
+            test_paths, test_labels = split_files(items["test"])
+            test = SplitFiles(test_paths, test_labels)
+        shared = np.intersect1d(train_labels, test.labels)
+        if shared.size:
+            rank_zero_warn(
+                f"{self.dataset_name} at {top}: {shared.size} classes are in both train and test "
+                f"(e.g. {[names[i] for i in shared[:3]]}); zero-shot retrieval expects disjoint classes"
+            )
+        return {"train": SplitFiles(train_paths, train_labels), "test": test}

@@ -1,0 +1,74 @@
+"""Stanford Online Products (Song et al., CVPR 2016): the standard ``Ebay_train.txt`` / ``Ebay_test.txt`` split.
+
+11,318 classes (59,551 images) train, 11,316 classes (60,502 images) test (SPEC 1.1). List lines are
+``image_id class_id super_class_id path`` after a header line; ``path`` is relative to the top folder.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from lightning_dml.data.files import (
+    ImageFilesDataModule,
+    SplitFiles,
+    find_top_folder,
+    read_whitespace_table,
+    require_file,
+)
+from lightning_dml.data.input_spec import InputSpec
+
+SOP_LAYOUT = """\
+  <root>/Stanford_Online_Products/   (or root pointing at this folder)
+    Ebay_train.txt              header, then: <image_id> <class_id> <super_class_id> <super>_final/<file>.JPG
+    Ebay_test.txt               same syntax (test classes follow the train classes)
+    bicycle_final/ cabinet_final/ ... (the 12 super-class folders of images)"""
+
+
+class SOPDataModule(ImageFilesDataModule):
+    """Stanford Online Products: ``Ebay_train.txt`` classes train, ``Ebay_test.txt`` classes test.
+
+    Args:
+        root: folder holding ``Stanford_Online_Products/`` or that folder itself.
+        **kwargs: see :class:`~lightning_dml.data.files.ImageFilesDataModule`.
+    """
+
+    dataset_name = "Stanford Online Products"
+    layout = SOP_LAYOUT
+    expected_counts = {"train": 59551, "test": 60502, "train classes": 11318, "test classes": 11316}
+
+    def __init__(
+        self,
+        root: str,
+        classes_per_batch: int = 16,
+        samples_per_class: int = 4,
+        num_workers: int = 4,
+        image_size: int | None = None,
+        input_spec: InputSpec | None = None,
+        **kwargs,
+    ) -> None:
+        super().__init__(root, classes_per_batch, samples_per_class, num_workers, image_size, input_spec, **kwargs)
+
+    def find_top(self) -> Path:
+        return find_top_folder(self.root, ["Stanford_Online_Products"], ["Ebay_train.txt"], self.dataset_name, self.layout)
+
+    def read_splits(self, top: Path) -> dict[str, SplitFiles]:
+        out = {}
+        for split, filename in (("train", "Ebay_train.txt"), ("test", "Ebay_test.txt")):
+            path = require_file(top / filename, self.dataset_name, self.layout)
+            rows = read_whitespace_table(path, 4, self.dataset_name)
+            if rows and not rows[0][0].isdigit():  # the header line
+                rows = rows[1:]
+            try:
+                labels = np.asarray([int(r[1]) for r in rows], dtype=np.int64)
+            except ValueError as error:
+                raise ValueError(f"{self.dataset_name}: {path}: class_id must be an integer ({error})") from error
+            out[split] = SplitFiles([top / r[3] for r in rows], labels)
+        overlap = np.intersect1d(out["train"].labels, out["test"].labels)
+        if overlap.size:
+            raise ValueError(
+                f"{self.dataset_name} at {top}: {overlap.size} classes appear in both Ebay_train.txt and "
+                f"Ebay_test.txt (e.g. {overlap[:3].tolist()}): the zero-shot split needs disjoint classes"
+            )
+        return out
