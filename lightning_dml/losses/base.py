@@ -66,6 +66,10 @@ def _check_labels(y: object, name: str, length: int, emb_name: str) -> None:
 
 
 def _check_finite(x: Tensor, name: str) -> None:
+    # fast exact pre-check: a NaN or Inf anywhere makes the sum NaN or Inf; only then look closer (a finite
+    # overflow of the sum falls through to the exact check, which then finds nothing)
+    if bool(torch.isfinite(x.sum())):
+        return
     bad = ~torch.isfinite(x)
     if bool(bad.any()):
         rows = bad.any(dim=1).nonzero().flatten()
@@ -77,6 +81,7 @@ def _check_finite(x: Tensor, name: str) -> None:
         raise ValueError(
             f"{name} contain {'/'.join(kinds)} in {rows.numel()} row(s), first at row {int(rows[0])}"
         )
+    return
 
 
 def check_inputs(
@@ -181,28 +186,48 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int = 1) -> Tensor:
 class ClosedFormPairFunction(torch.autograd.Function):
     """Loss from a similarity matrix with a closed-form backward (GPW Eq. 4, MS Eq. 2).
 
-    ``forward(anchors, gallery, fn)`` evaluates ``S = clamp(A G^T, -1, 1)`` and ``fn(S) -> (loss, W)`` where
-    ``W = dL/dS`` is computed by the loss itself without autograd. The backward is ``W G`` for the anchors and
-    ``W^T A`` for the gallery; when ``gallery is None`` the gallery is the batch and the gradient is
-    ``(W + W^T) A``. No ``B x B`` autograd intermediates are kept: only ``W``.
+    ``forward(anchors, gallery, fn)`` evaluates the raw products ``R = A G^T`` and ``fn(R) -> (loss, W[, sym])``
+    where ``W = dL/dS`` (``S = clamp(R, -1, 1)``) is computed by the loss itself without autograd. The backward is
+    ``W G`` for the anchors and ``W^T A`` for the gallery; when ``gallery is None`` the gallery is the batch and
+    the gradient is ``(W + W^T) A`` (``2 W A`` when the loss reports ``sym=True``). ``W`` may also be given
+    sparse, as ``(rows, cols, values)`` of its non-zero entries; the backward is then two ``index_add`` over those
+    pairs instead of a ``B x N x D`` product. No ``B x B`` autograd intermediates are kept.
     """
 
     @staticmethod
     def forward(ctx, anchors: Tensor, gallery: Optional[Tensor], fn: PairGradFn) -> Tensor:  # type: ignore[override]
         g = anchors if gallery is None else gallery
         raw = anchors @ g.T
-        sim = raw.clamp(-1.0, 1.0)
-        loss, weights = fn(sim)
-        # the clamp passes no gradient outside [-1, 1] (as autograd's clamp)
+        out = fn(raw)
+        loss, weights = out[0], out[1]
+        ctx.sparse = isinstance(weights, tuple)
+        if ctx.sparse:
+            # (rows, cols, values): only the listed pairs have a non-zero weight
+            rows, cols, vals = weights
+            r = raw[rows, cols]
+            vals = vals * ((r >= -1.0) & (r <= 1.0))  # the clamp passes no gradient outside [-1, 1]
+            ctx.save_for_backward(anchors, gallery, rows, cols, vals)
+            return loss
+        ctx.symmetric = len(out) > 2 and bool(out[2]) and gallery is None
         weights = weights.masked_fill((raw < -1.0) | (raw > 1.0), 0.0)
         ctx.save_for_backward(anchors, gallery, weights)
         return loss
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        if ctx.sparse:
+            anchors, gallery, rows, cols, vals = ctx.saved_tensors
+            g = anchors if gallery is None else gallery
+            grad_a = torch.zeros_like(anchors).index_add_(0, rows, vals[:, None] * g[cols])
+            grad_g = torch.zeros_like(g).index_add_(0, cols, vals[:, None] * anchors[rows])
+            if gallery is None:
+                return grad_out * (grad_a + grad_g), None, None
+            return grad_out * grad_a, grad_out * grad_g, None
         anchors, gallery, weights = ctx.saved_tensors
         if gallery is None:
-            grad_a = (weights + weights.T) @ anchors
+            if ctx.symmetric:  # W = W^T: one product instead of forming W + W^T
+                return (2.0 * grad_out) * (weights @ anchors), None, None
+            grad_a = weights @ anchors + weights.T @ anchors
             return grad_out * grad_a, None, None
         grad_a = grad_out * (weights @ gallery) if ctx.needs_input_grad[0] else None
         grad_g = grad_out * (weights.T @ anchors) if ctx.needs_input_grad[1] else None
@@ -262,7 +287,9 @@ class PairLoss(nn.Module):
             # the gallery side is a constant (RLL's gradient path): only the anchor rows get a gradient
             gallery = (anchors if gallery is None else gallery).detach()
         if self.closed_form and self._has_closed_form():
-            return ClosedFormPairFunction.apply(anchors, gallery, lambda s: self.pair_loss_and_grad(s, pos, neg))
+            return ClosedFormPairFunction.apply(
+                anchors, gallery, lambda raw: self.pair_loss_and_grad(raw.clamp(-1.0, 1.0), pos, neg)
+            )
         g = anchors if gallery is None else gallery
         return self.pair_loss(similarity_matrix(anchors, g), pos, neg)
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from lightning_dml.losses.base import PairLoss, distance_and_derivative, distance_from_similarity
+from lightning_dml.losses.base import ClosedFormPairFunction, PairLoss, distance_and_derivative, distance_from_similarity
 from lightning_dml.losses.base import squared_distance_from_similarity
+from lightning_dml.miners import positive_pairs
 
 __all__ = ["ContrastiveLoss", "PAIR_REDUCTIONS", "reduce_pair_terms"]
 
@@ -102,3 +103,56 @@ class ContrastiveLoss(PairLoss):
             loss = hp.sum() / cp + hn.sum() / cn
             grad_dist = active_p.to(dist.dtype) / cp - active_n.to(dist.dtype) / cn
         return loss, grad_dist.mul_(d_dist)
+
+    # ----------------------------------------------------------------------------------- sparse closed form
+    def compute(self, anchors: Tensor, labels: Tensor, gallery: Optional[Tensor], gallery_labels: Tensor) -> Tensor:
+        """Closed-form path with a sparse ``W``: only positive pairs and active negatives carry a weight.
+
+        Positives come from the sorted labels (:func:`positive_pairs`); negatives are examined only in rows whose
+        largest non-self similarity can reach the negative margin (``D < m2`` <=> ``S > 1 - m2^2 / 2``). Every
+        value is computed with the same element-wise formulas as :meth:`pair_loss`.
+        """
+        if not self.closed_form:
+            return super().compute(anchors, labels, gallery, gallery_labels)
+        B = anchors.shape[0]
+        N = gallery_labels.shape[0]
+
+        def fn(raw: Tensor):
+            pr, pc = positive_pairs(labels, gallery_labels)
+            xp, dxp = self._dist(raw[pr, pc])
+            hp = (xp - self.pos_margin).clamp(min=0.0)
+            # negatives: candidate rows only
+            gap_thr = self.neg_margin if self.squared else self.neg_margin**2
+            sim_thr = 1.0 - gap_thr / 2.0 - 1e-6
+            raw[:, :B].diagonal().fill_(-2.0)  # self-pairs are never negatives (nothing reads the diagonal later)
+            rows = (raw.amax(dim=1) > sim_thr).nonzero().flatten()
+            if rows.numel() > 0 and self.neg_margin > 0:
+                block = raw[rows]
+                xn, dxn = self._dist(block)
+                neg = labels[rows][:, None] != gallery_labels[None, :]
+                hn_block = (self.neg_margin - xn).clamp(min=0.0) * neg
+                rr, nc = hn_block.nonzero(as_tuple=True)
+                hn, dxn, nr = hn_block[rr, nc], dxn[rr, nc], rows[rr]
+            else:
+                hn = dxn = raw.new_zeros(0)
+                nr = nc = torch.zeros(0, dtype=torch.long, device=raw.device)
+            if self.reduction == "sum":
+                cp = cn = raw.new_ones(())
+            elif self.reduction == "mean":
+                n_pos = pr.numel()
+                cp = raw.new_tensor(float(max(n_pos, 1)))
+                cn = raw.new_tensor(float(max(B * N - n_pos - B, 1)))
+            else:
+                cp, cn = (hp > 0).sum().clamp(min=1).to(raw.dtype), (hn > 0).sum().clamp(min=1).to(raw.dtype)
+            if self.squared_hinge:
+                loss = (hp * hp).sum() / cp + (hn * hn).sum() / cn
+                gp, gn = 2.0 * hp / cp, -2.0 * hn / cn
+            else:
+                loss = hp.sum() / cp + hn.sum() / cn
+                gp, gn = (hp > 0).to(raw.dtype) / cp, -(hn > 0).to(raw.dtype) / cn
+            return loss, (torch.cat([pr, nr]), torch.cat([pc, nc]), torch.cat([gp * dxp, gn * dxn]))
+
+        return ClosedFormPairFunction.apply(anchors, gallery, fn)
+
+    def _dist(self, raw: Tensor) -> Tuple[Tensor, Tensor]:
+        return distance_and_derivative(raw.clamp(-1.0, 1.0), self.squared)

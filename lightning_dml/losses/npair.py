@@ -78,7 +78,9 @@ class NPairLoss(PairLoss):
         a_idx, p_idx = npair_indices(labels)
         if a_idx.numel() == 0:
             return anchors.sum() * 0.0
-        a, p = anchors[a_idx], anchors[p_idx]
+        n = a_idx.shape[0]
+        both = anchors[torch.cat([a_idx, p_idx])]  # one gather (one scatter in the backward)
+        a, p = both[:n], both[n:]
         logits = a @ p.T
         loss = self._one_direction(logits)
         if self.symmetric:

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from lightning_dml.losses.base import PairLoss, distance_and_derivative, distance_from_similarity
-from lightning_dml.losses.base import squared_distance_from_similarity
-from lightning_dml.miners import batch_hard_mining, positive_index
+from lightning_dml.losses.base import ClosedFormPairFunction, PairLoss, distance_and_derivative
+from lightning_dml.losses.base import distance_from_similarity, squared_distance_from_similarity
+from lightning_dml.miners import batch_hard_mining, label_masks, positive_index
+from lightning_dml.miners.mining import positive_table
 
 __all__ = ["TripletLoss"]
 
@@ -104,3 +105,33 @@ class TripletLoss(PairLoss):
         grad_dist = -active_f.sum(1)
         grad_dist.scatter_add_(1, index, active_f.sum(2))
         return loss, grad_dist.div_(count).mul_(d_dist)
+
+    # --------------------------------------------------------------------------- fast closed form ("all")
+    def compute(self, anchors: Tensor, labels: Tensor, gallery: Optional[Tensor], gallery_labels: Tensor) -> Tensor:
+        """Closed form for ``mining="all"`` on float ``[B, K, N]`` tensors, positives from the sorted labels."""
+        if not self.closed_form or self.mining != "all":
+            return super().compute(anchors, labels, gallery, gallery_labels)
+
+        def fn(raw: Tensor):
+            dist, d_dist = distance_and_derivative(raw.clamp(-1.0, 1.0), self.squared)
+            _, index, valid = positive_table(labels, gallery_labels)
+            if index.shape[1] == 0:
+                index, valid = index.new_zeros(index.shape[0], 1), valid.new_zeros(valid.shape[0], 1)
+            index = index.masked_fill(~valid, 0)
+            _, neg = label_masks(labels, gallery_labels)
+            negf, validf = neg.to(dist.dtype), valid.to(dist.dtype)
+            hinge = dist.gather(1, index)[:, :, None] - dist[:, None, :]  # [B, K, N]
+            hinge.add_(self.margin).mul_(validf[:, :, None]).mul_(negf[:, None, :]).clamp_(min=0.0)
+            active = torch.sign(hinge)
+            if self.reduction == "sum":
+                count = dist.new_ones(())
+            elif self.reduction == "mean":
+                count = (validf.sum(1) * negf.sum(1)).sum().clamp(min=1)
+            else:
+                count = active.sum().clamp(min=1)
+            loss = hinge.sum() / count
+            grad_dist = -active.sum(1)
+            grad_dist.scatter_add_(1, index, active.sum(2))
+            return loss, grad_dist.div_(count).mul_(d_dist)
+
+        return ClosedFormPairFunction.apply(anchors, gallery, fn)

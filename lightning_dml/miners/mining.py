@@ -17,6 +17,7 @@ from torch import Tensor
 __all__ = [
     "self_pair_mask",
     "label_masks",
+    "positive_pairs",
     "threshold_mining",
     "multi_similarity_mining",
     "triplet_margin_pair_mining",
@@ -53,6 +54,35 @@ def label_masks(labels: Tensor, gallery_labels: Optional[Tensor] = None) -> Tupl
     same = labels[:, None] == gallery_labels[None, :]
     pos = same & ~self_pair_mask(labels.shape[0], gallery_labels.shape[0], labels.device)
     return pos, ~same
+
+
+def positive_pairs(labels: Tensor, gallery_labels: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """All positive pairs ``(i, j)`` (same label, ``j != i`` by index) as index lists, without a ``B x N`` mask.
+
+    Same pairs as ``label_masks(...)[0].nonzero()`` (in another order), in ``O(B K_max + N log N)`` from sorted
+    labels, where ``K_max`` is the largest class count in the gallery.
+    """
+    rows, cols, valid = positive_table(labels, gallery_labels)
+    return rows[valid], cols[valid]
+
+
+def positive_table(labels: Tensor, gallery_labels: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """``[B, K]`` tables ``(rows, cols, valid)`` of each anchor's positives from sorted labels (no ``B x N`` mask).
+
+    ``cols[i, r]`` is a positive of anchor ``i`` where ``valid[i, r]``; ``K`` is the largest class count.
+    """
+    if gallery_labels is None:
+        gallery_labels = labels
+    sorted_g, order = torch.sort(gallery_labels, stable=True)
+    start = torch.searchsorted(sorted_g, labels, right=False)
+    count = torch.searchsorted(sorted_g, labels, right=True) - start
+    k_max = int(count.max().item()) if labels.numel() > 0 else 0
+    offs = torch.arange(k_max, device=labels.device)
+    slot = start[:, None] + offs[None, :]
+    valid = offs[None, :] < count[:, None]
+    cols = order[slot.clamp(max=max(gallery_labels.numel() - 1, 0))]
+    rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(cols)
+    return rows, cols, valid & (cols != rows)
 
 
 def threshold_mining(
