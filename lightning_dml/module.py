@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_dml.losses import build_loss
 from lightning_dml.metrics import RetrievalMetrics
-from lightning_dml.models.backbones import _check_levels, build_backbone
+from lightning_dml.models.backbones import _check_levels
 from lightning_dml.models.heads import LinearEmbedding, MultiLevelEmbedding
 
 _FUSION = ("none", "concat", "per_level")
@@ -36,8 +36,8 @@ class DMLModule(pl.LightningModule):
 
     Args:
         backbone: a module mapping images to pooled features, exposing ``out_features`` (e.g.
-            :class:`~lightning_dml.models.BNInception`), or a name of :data:`~lightning_dml.models.BACKBONES`
-            (built with its defaults, i.e. pretrained weights from the local cache).
+            :class:`~lightning_dml.models.BNInception`, by ``class_path`` in configs, or
+            ``build_backbone("bninception", pretrained=False)`` in Python).
         loss: a pair loss (``class_path``/``init_args`` in configs) or its registry name (``"multi_similarity"``).
         embedding_dim: width of the embedding.
         head_norm: normalisation after the embedding layer: ``"none"``, ``"batch"`` or ``"layer"``.
@@ -68,7 +68,7 @@ class DMLModule(pl.LightningModule):
 
     def __init__(
         self,
-        backbone: nn.Module | str,
+        backbone: nn.Module,
         loss: nn.Module | str = "multi_similarity",
         embedding_dim: int = 512,
         head_norm: str = "none",
@@ -86,8 +86,6 @@ class DMLModule(pl.LightningModule):
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["backbone", "loss", "optimizer", "lr_scheduler"])
-        if isinstance(backbone, str):
-            backbone = build_backbone(backbone)
         if not hasattr(backbone, "out_features"):
             raise ValueError(f"backbone {type(backbone).__name__} must expose `out_features` (its feature width)")
         if head_lr_multiplier <= 0:
