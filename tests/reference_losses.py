@@ -148,8 +148,8 @@ def triplet(z, y, margin=0.1, mining="all", squared=False, reduction="mean_nonze
         if mining == "batch_hard":
             if not P or not Ng:
                 continue
-            j = max(P, key=lambda t: float(d(i, t)))
-            k = min(Ng, key=lambda t: float(d(i, t)))
+            j = max(P, key=lambda t: float(d(i, t).detach()))
+            k = min(Ng, key=lambda t: float(d(i, t).detach()))
             terms.append(_relu(d(i, j) - d(i, k) + margin))
             continue
         for j in P:
