@@ -62,7 +62,7 @@ def write_jpeg(
     image = Image.fromarray(array)
     if mode != "RGB":
         image = image.convert(mode)
-    image.save(path, format="JPEG", quality=quality)
+    image.save(path, format="JPEG", quality=quality, subsampling=0)
     return path
 
 
