@@ -11,7 +11,8 @@ embeddings and labels, ``--repeats`` times each after one warm-up, and the media
 (ours / pml; < 1 means faster). One run = build the loss input (the same leaf tensor), forward, backward.
 Peak memory: each (case, batch, implementation) runs once more in a fresh subprocess, and the process's peak
 resident set size (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) is reported together with its value just before
-the loss ran (imports and data included), so the difference is the loss's own peak. On CUDA the peak is
+the loss ran (imports and data included; the high-water mark is reset there through ``/proc/self/clear_refs``),
+so the difference is the loss's own peak. On CUDA the peak is
 ``torch.cuda.max_memory_allocated`` instead.
 
 Labels form a P x K batch (K = 4; K = 2 for N-pair, whose batch is N pairs).
@@ -127,6 +128,17 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
+def _reset_peak_rss() -> bool:
+    """Reset the process's RSS high-water mark (Linux >= 4.0: ``echo 5 > /proc/self/clear_refs``), so that the
+    peak after the run is the loss's own peak and not the one of the imports."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
 def memory_child(case: str, impl: str, batch: int, dim: int, device: str) -> None:
     """Runs in a fresh process: prints JSON {before, peak} in MiB."""
     ours, theirs = make_pair(case)
@@ -139,6 +151,7 @@ def memory_child(case: str, impl: str, batch: int, dim: int, device: str) -> Non
         run_once(fn, data, labels, device)
         peak = torch.cuda.max_memory_allocated() / 2**20
     else:
+        _reset_peak_rss()
         before = _rss_mb()
         run_once(fn, data, labels, device)
         peak = _rss_mb()
