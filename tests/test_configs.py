@@ -126,7 +126,7 @@ def test_config_header_names_paper_row_and_reported_recall(name):
     assert re.search(r"Follows (the paper|the authors' released code)", header), name
     # every config is listed in docs/reproduction.md with the same reported R@1
     doc = (CONFIG_DIR.parent / "docs" / "reproduction.md").read_text()
-    row = next((line for line in doc.splitlines() if f"configs/{name}" in line), None)
+    row = next((line for line in doc.splitlines() if line.startswith(f"| `configs/{name}`")), None)
     assert row is not None, f"configs/{name} missing from docs/reproduction.md"
     assert target.group(2) in row
 
