@@ -140,7 +140,7 @@ class DMLDataModule(pl.LightningDataModule):
         """Lightning would wrap the training batch sampler into a ``DistributedSampler`` scheme that splits the
         class groups; our samplers shard themselves, so the replacement is switched off (as
         ``Trainer(use_distributed_sampler=False)`` would)."""
-        trainer = self._trainer if hasattr(self, "_trainer") else None
+        trainer = getattr(self, "trainer", None)
         connector = getattr(trainer, "_accelerator_connector", None) if trainer is not None else None
         if connector is None or not getattr(connector, "is_distributed", False):
             return
@@ -153,7 +153,7 @@ class DMLDataModule(pl.LightningDataModule):
             )
 
     def _check_no_replacement(self) -> None:
-        trainer = self._trainer if hasattr(self, "_trainer") else None
+        trainer = getattr(self, "trainer", None)
         connector = getattr(trainer, "_accelerator_connector", None) if trainer is not None else None
         if connector is not None and getattr(connector, "is_distributed", False):
             if getattr(connector, "use_distributed_sampler", False):
