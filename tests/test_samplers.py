@@ -191,3 +191,20 @@ def test_class_embeddings_are_validated():
         sampler.set_class_embeddings(torch.zeros(2, 3), torch.tensor([100, 7]))
     with pytest.raises(ValueError, match="NaN"):
         sampler.set_class_embeddings(torch.full((5, 3), float("nan")))
+
+
+def test_lightning_reaches_set_epoch_through_the_data_loader():
+    """Lightning calls ``set_epoch`` on ``loader.sampler`` and ``loader.batch_sampler.sampler`` only."""
+    from lightning_fabric.utilities.data import _set_sampler_epoch
+    from torch.utils.data import DataLoader
+
+    labels = _labels()
+    for sampler in (
+        BalancedClassSampler(labels, 4, 3, num_replicas=1, rank=0),
+        NPairSampler(labels, 4, num_replicas=1, rank=0),
+    ):
+        loader = DataLoader(list(range(len(labels))), batch_sampler=sampler)
+        first = [b.tolist() for b in loader]
+        _set_sampler_epoch(loader, 3)
+        assert sampler.epoch == 3
+        assert [b.tolist() for b in loader] != first

@@ -103,6 +103,13 @@ class BalancedClassSampler(Sampler[list[int]]):
         """Make the next iteration draw the batches of ``epoch`` (called by Lightning at each epoch start)."""
         self.epoch = int(epoch)
 
+    @property
+    def sampler(self) -> "BalancedClassSampler":
+        """This sampler itself: Lightning's ``_set_sampler_epoch`` calls ``set_epoch`` on ``loader.sampler`` and
+        ``loader.batch_sampler.sampler``, never on ``loader.batch_sampler``; without this every epoch would draw
+        the batches of epoch 0."""
+        return self
+
     def __len__(self) -> int:
         return max(1, self.num_items // self.batch_size // self.num_replicas)
 
