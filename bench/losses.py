@@ -10,9 +10,10 @@ Timing: for every (case, batch) the two implementations run interleaved (ours, p
 embeddings and labels, ``--repeats`` times each after one warm-up, and the medians are reported with their ratio
 (ours / pml; < 1 means faster). One run = build the loss input (the same leaf tensor), forward, backward.
 Peak memory: each (case, batch, implementation) runs once more in a fresh subprocess, and the process's peak
-resident set size (``resource.getrusage(RUSAGE_SELF).ru_maxrss``) is reported together with its value just before
-the loss ran (imports and data included; the high-water mark is reset there through ``/proc/self/clear_refs``),
-so the difference is the loss's own peak. On CUDA the peak is
+resident set size is reported together with its value just before the loss ran (imports and data included; the
+high-water mark is reset there through ``/proc/self/clear_refs``), so the difference is the loss's own peak.
+The peak is ``VmHWM`` from ``/proc/self/status`` (see ``_rss_mb`` for why not ``ru_maxrss`` in a child process;
+``ru_maxrss`` is the fallback). On CUDA the peak is
 ``torch.cuda.max_memory_allocated`` instead.
 
 Labels form a P x K batch (K = 4; K = 2 for N-pair, whose batch is N pairs).
@@ -125,6 +126,20 @@ def time_case(case: str, batch: int, dim: int, repeats: int, device: str) -> Dic
 
 
 def _rss_mb() -> float:
+    """Peak RSS in MiB of this process's address space.
+
+    ``getrusage(RUSAGE_SELF).ru_maxrss`` of a child started by this script inherits the *parent's* peak through
+    fork/exec (Linux merges the pre-exec memory map's high-water mark), which would hide the loss's own peak; so
+    the per-mm high-water mark ``VmHWM`` of ``/proc/self/status`` is read where available (the same quantity for a
+    fresh address space, and resettable), with ``ru_maxrss`` as the fallback.
+    """
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # KiB on Linux
 
 
