@@ -205,3 +205,26 @@ def test_pretrained_config_without_cached_weights_fails_clearly(fixture_roots, t
     message = str(err.value)
     assert "bn_inception-52deb4733.pth" in message
     assert str(tmp_path / "torch" / "hub" / "checkpoints") in message
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "name", ["inshop/multi_similarity.yaml", "cub200/gpw_pair_e.yaml", "cub200/ranked_list.yaml"]
+)
+def test_config_validates_on_fixture(name, fixture_roots, tmp_path, monkeypatch):
+    """The evaluation paths: query-vs-gallery (In-Shop), fused embeddings (concat, per-level)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-dml"])
+    dataset = name.split("/")[0]
+    args = _small_run_args(name, fixture_roots[dataset])
+    args[args.index("--trainer.limit_val_batches") + 1] = "1.0"
+    args[args.index("--trainer.max_steps") + 1] = "1"
+    cli = build_cli(args + ["--data.init_args.eval_batch_size", "64"], run=False)
+    cli.trainer.validate(cli.model, datamodule=cli.datamodule)
+    metrics = cli.trainer.callback_metrics
+    width = cli.model.head.embedding_dim
+    assert width == (24 if cli.model.fusion != "none" else 8)
+    for k in cli.model.hparams.recall_at:
+        value = float(metrics[f"val/recall@{k}"])
+        assert 0.0 <= value <= 1.0
+    assert float(metrics[f"val/recall@{max(cli.model.hparams.recall_at)}"]) >= float(metrics["val/recall@1"])

@@ -255,3 +255,14 @@ def test_state_dict_round_trip_keeps_options():
     x = torch.randn(2, 3, 16, 16)
     model.eval(), clone.eval()
     torch.testing.assert_close(model(x), clone(x))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_mixed_precision_and_gradient_clipping_train(precision):
+    model = _module(fusion="concat", freeze_bn=True, optimizer=partial(torch.optim.AdamW, lr=0.01))
+    before = _snapshot(model.head)
+    trainer = _trainer(max_steps=2, precision=precision, gradient_clip_val=0.5)
+    trainer.fit(model, train_dataloaders=_loader())
+    assert trainer.global_step == 2
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+    assert _changed(before, _snapshot(model.head))
