@@ -8,6 +8,7 @@ from lightning_dml.data.folder import ImageFolderDataModule
 from lightning_dml.data.glyphs import GlyphsDataModule
 from lightning_dml.data.image_list import CorruptImageError, ImageListDataset
 from lightning_dml.data.inshop import InShopDataModule
+from lightning_dml.data.mining import ClassEmbeddingRefresh
 from lightning_dml.data.input_spec import BNINCEPTION, TORCHVISION_IMAGENET, InputSpec
 from lightning_dml.data.samplers import BalancedClassSampler, EvalShardSampler, NPairSampler
 from lightning_dml.data.sop import SOPDataModule
@@ -18,6 +19,7 @@ __all__ = [
     "TORCHVISION_IMAGENET",
     "BalancedClassSampler",
     "CUB200DataModule",
+    "ClassEmbeddingRefresh",
     "Cars196DataModule",
     "CorruptImageError",
     "DMLDataModule",
