@@ -42,7 +42,7 @@ __all__ = [
 #: floor of ``2 - 2 S`` before the square root (SPEC 0.3 rule 2)
 DIST_EPS = 1e-12
 
-PairGradFn = Callable[[Tensor], Tuple[Tensor, Tensor]]
+PairGradFn = Callable[[Tensor], Tuple[Tensor, object]]
 
 
 def _check_embeddings(x: object, name: str) -> None:
@@ -186,10 +186,10 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int = 1) -> Tensor:
 class ClosedFormPairFunction(torch.autograd.Function):
     """Loss from a similarity matrix with a closed-form backward (GPW Eq. 4, MS Eq. 2).
 
-    ``forward(anchors, gallery, fn)`` evaluates the raw products ``R = A G^T`` and ``fn(R) -> (loss, W[, sym])``
+    ``forward(anchors, gallery, fn)`` evaluates the raw products ``R = A G^T`` and ``fn(R) -> (loss, W)``
     where ``W = dL/dS`` (``S = clamp(R, -1, 1)``) is computed by the loss itself without autograd. The backward is
     ``W G`` for the anchors and ``W^T A`` for the gallery; when ``gallery is None`` the gallery is the batch and
-    the gradient is ``(W + W^T) A`` (``2 W A`` when the loss reports ``sym=True``). ``W`` may also be given
+    the gradient is ``(W + W^T) A``. ``W`` may also be given
     sparse, as ``(rows, cols, values)`` of its non-zero entries; the backward is then two ``index_add`` over those
     pairs instead of a ``B x N x D`` product. No ``B x B`` autograd intermediates are kept.
     """
@@ -208,7 +208,6 @@ class ClosedFormPairFunction(torch.autograd.Function):
             vals = vals * ((r >= -1.0) & (r <= 1.0))  # the clamp passes no gradient outside [-1, 1]
             ctx.save_for_backward(anchors, gallery, rows, cols, vals)
             return loss
-        ctx.symmetric = len(out) > 2 and bool(out[2]) and gallery is None
         weights = weights.masked_fill((raw < -1.0) | (raw > 1.0), 0.0)
         ctx.save_for_backward(anchors, gallery, weights)
         return loss
@@ -225,8 +224,7 @@ class ClosedFormPairFunction(torch.autograd.Function):
             return grad_out * grad_a, grad_out * grad_g, None
         anchors, gallery, weights = ctx.saved_tensors
         if gallery is None:
-            if ctx.symmetric:  # W = W^T: one product instead of forming W + W^T
-                return (2.0 * grad_out) * (weights @ anchors), None, None
+            # two products: forming W + W^T first is slower on CPU (strided transpose read)
             grad_a = weights @ anchors + weights.T @ anchors
             return grad_out * grad_a, None, None
         grad_a = grad_out * (weights @ gallery) if ctx.needs_input_grad[0] else None
