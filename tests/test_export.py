@@ -1,0 +1,136 @@
+"""The embedding model exported alone (state dict, TorchScript, torch.export) and reloaded without Lightning."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from lightning_dml.export import (
+    STATE_DICT,
+    TORCH_EXPORT,
+    TORCHSCRIPT,
+    EmbeddingModel,
+    export_checkpoint,
+    export_embedding_model,
+    load_embedding_model,
+)
+from lightning_dml.models import LinearEmbedding, SmallConvNet
+from lightning_dml.module import DMLModule
+from tests import glyph_cache
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A small DMLModule after a few optimizer steps (so BatchNorm statistics and weights are not the defaults),
+    exported to every format."""
+    torch.manual_seed(0)
+    module = DMLModule(SmallConvNet(in_channels=1, width=4), embedding_dim=8, head_norm="batch", clustering=False)
+    optimizer = torch.optim.Adam(module.parameters(), lr=1e-2)
+    labels = torch.arange(16) % 4
+    for _ in range(3):
+        loss = module.loss(module(torch.randn(16, 1, 16, 16)), labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    module.eval()
+    out = tmp_path_factory.mktemp("export")
+    paths = export_embedding_model(module, out, torch.randn(3, 1, 16, 16))
+    return module, out, paths
+
+
+def test_every_format_is_written_and_nothing_else(trained):
+    _, out, paths = trained
+    assert set(paths) == {"state_dict", "torchscript", "torch_export"}
+    assert sorted(p.name for p in out.iterdir()) == sorted([STATE_DICT, TORCHSCRIPT, TORCH_EXPORT])
+
+
+def test_reloaded_without_lightning_gives_the_module_embeddings(trained, tmp_path):
+    """A fresh interpreter in which importing Lightning or lightning_dml fails loads both program formats."""
+    module, out, _ = trained
+    images = torch.randn(5, 1, 16, 16)  # another batch size than the export example
+    torch.save(images, tmp_path / "images.pt")
+    script = textwrap.dedent(
+        f"""
+        import sys
+        for name in ("pytorch_lightning", "lightning", "lightning_fabric", "lightning_dml"):
+            sys.modules[name] = None  # any import of them raises ImportError
+        import torch
+        images = torch.load({str(tmp_path / "images.pt")!r})
+        scripted = torch.jit.load({str(out / TORCHSCRIPT)!r})
+        exported = torch.export.load({str(out / TORCH_EXPORT)!r}).module()
+        torch.save({{"torchscript": scripted(images), "torch_export": exported(images)}}, {str(tmp_path / "out.pt")!r})
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    embeddings = torch.load(tmp_path / "out.pt")
+    with torch.no_grad():
+        expected = module(images)
+    for name in ("torchscript", "torch_export"):
+        assert embeddings[name].shape == (5, 8)
+        torch.testing.assert_close(embeddings[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_state_dict_reloads_into_plain_modules(trained):
+    module, out, _ = trained
+    payload = torch.load(out / STATE_DICT, weights_only=True)
+    assert payload["embedding_dim"] == 8 and payload["input_shape"] == [1, 16, 16]
+    model = EmbeddingModel(SmallConvNet(in_channels=1, width=4), LinearEmbedding(module.backbone.out_features, 8, "batch"))
+    model.load_state_dict(payload["state_dict"])
+    model.eval()
+    images = torch.randn(4, 1, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(model(images), module(images))
+
+
+def test_load_embedding_model_by_file_name(trained):
+    module, out, _ = trained
+    images = torch.randn(2, 1, 16, 16)
+    with torch.no_grad():
+        expected = module(images)
+        for name in (TORCHSCRIPT, TORCH_EXPORT):
+            torch.testing.assert_close(load_embedding_model(out / name)(images), expected, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="weights only"):
+        load_embedding_model(out / STATE_DICT)
+    with pytest.raises(FileNotFoundError, match="no exported model"):
+        load_embedding_model(out / "missing.pt")
+
+
+def test_bad_export_requests_write_nothing(trained, tmp_path):
+    module, _, _ = trained
+    with pytest.raises(ValueError, match="unknown export format.*onnx.*valid formats: state_dict"):
+        export_embedding_model(module, tmp_path / "a", torch.randn(2, 1, 16, 16), formats=["onnx"])
+    with pytest.raises(ValueError, match=r"example_input must be an image batch \[B, C, H, W\], got \(1, 16, 16\)"):
+        export_embedding_model(module, tmp_path / "b", torch.randn(1, 16, 16))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_export_a_checkpoint_from_its_config(tmp_path, tmp_path_factory):
+    """The command-line path: a config as `lightning-dml` saves it plus a Lightning checkpoint."""
+    glyph_cache.install(tmp_path_factory.getbasetemp() / glyph_cache.FILENAME)
+    config = {
+        "seed_everything": 0,
+        "ckpt_path": None,
+        "model": {
+            "backbone": {"class_path": "lightning_dml.models.SmallConvNet", "init_args": {"width": 4}},
+            "embedding_dim": 8,
+            "clustering": False,
+        },
+        "data": {"class_path": "lightning_dml.data.GlyphsDataModule", "init_args": {"image_size": 16}},
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    torch.manual_seed(1)
+    module = DMLModule(SmallConvNet(width=4), embedding_dim=8, clustering=False)
+    torch.save({"state_dict": module.state_dict()}, tmp_path / "last.ckpt")
+    paths = export_checkpoint(tmp_path / "config.yaml", tmp_path / "last.ckpt", tmp_path / "out", ["torchscript"])
+    assert list(paths) == ["torchscript"]
+    module.eval()
+    images = torch.randn(3, 1, 16, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(load_embedding_model(paths["torchscript"])(images), module(images))
