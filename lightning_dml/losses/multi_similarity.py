@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from lightning_dml.losses.base import PairLoss, lse0, masked_lse, masked_mean
+from lightning_dml.losses.base import ClosedFormPairFunction, PairLoss, lse0, masked_lse, masked_mean
 from lightning_dml.miners import multi_similarity_mining
 
 __all__ = ["MultiSimilarityLoss"]
@@ -99,6 +99,53 @@ class MultiSimilarityLoss(PairLoss):
             per_anchor = torch.where(kp.any(1), lp, 0.0) + torch.where(kn.any(1), ln, 0.0)
         return (per_anchor * keep).sum() / sim.shape[0]
 
+    def compute(self, anchors: Tensor, labels: Tensor, gallery: Optional[Tensor], gallery_labels: Tensor) -> Tensor:
+        """Closed form on float 0/1 masks (same formulas as :meth:`pair_loss_and_grad`, fewer slow bool kernels)."""
+        if not (self.closed_form and self.weighting):
+            return super().compute(anchors, labels, gallery, gallery_labels)
+
+        def fn(raw: Tensor) -> Tuple[Tensor, Tensor]:
+            sim = raw.clamp(-1.0, 1.0)
+            posf, negf = _float_label_masks(labels, gallery_labels, sim.dtype)
+            has_pos, has_neg = posf.amax(1) > 0, negf.amax(1) > 0
+            # hardest positive / negative (MS Eqs. 11-12), read back from S at their index: exact values
+            hard_pos = sim.gather(1, torch.sub(sim, posf, alpha=4.0).argmin(1, keepdim=True)).squeeze(1)
+            hard_neg = sim.gather(1, torch.add(sim, negf, alpha=4.0).argmax(1, keepdim=True)).squeeze(1)
+            hard_pos = torch.where(has_pos, hard_pos, torch.inf)
+            hard_neg = torch.where(has_neg, hard_neg, -torch.inf)
+            if self.mining:
+                kn = negf.mul_(_step(sim - (hard_pos - self.eps)[:, None]))
+                kp = posf.mul_(_step((hard_neg + self.eps)[:, None] - sim))
+            else:
+                kn, kp = negf, posf
+            # the largest kept value of each set is its hardest pair whenever the set is not empty
+            wn, ln = self._lse_weights(sim, kn, self.beta, hard_neg, sign=1.0)
+            wp, lp = self._lse_weights(sim, kp, self.alpha, hard_pos, sign=-1.0)
+            keep = torch.ones_like(ln) if self.on_empty == "keep" else kp.amax(1) * kn.amax(1)
+            keep = keep / sim.shape[0]
+            loss = ((lp / self.alpha + ln / self.beta) * keep).sum()
+            return loss, wn.sub_(wp).mul_(keep[:, None])
+
+        return ClosedFormPairFunction.apply(anchors, gallery, fn)
+
+    def _lse_weights(self, sim: Tensor, kept: Tensor, scale: float, hardest: Tensor, sign: float) -> Tuple[Tensor, Tensor]:
+        """``log([1 +] sum_kept exp(sign*scale*(S - lam)))`` per row and its softmax weights (float masks)."""
+        shift = sign * scale * (hardest - self.lam)
+        nonempty = kept.amax(1) > 0
+        shift = torch.where(nonempty & torch.isfinite(shift), shift, 0.0)
+        if self.plus_one:
+            shift = shift.clamp(min=0.0)
+        # exponents below -87 would give fp32 denormals (slow): raise them to -87; their terms are < 2e-38
+        e = torch.mul(sim, sign * scale).sub_((sign * scale * self.lam + shift)[:, None]).clamp_(min=-87.0).exp_()
+        e.mul_(kept)
+        total = e.sum(1)
+        if self.plus_one:
+            total = total + torch.exp(-shift)
+            lse = shift + torch.log(total)
+        else:
+            lse = torch.where(nonempty, shift + torch.log(total.clamp(min=torch.finfo(sim.dtype).tiny)), 0.0)
+        return e.div_(total.clamp(min=torch.finfo(sim.dtype).tiny)[:, None]), lse
+
     def pair_loss_and_grad(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tuple[Tensor, Tensor]:
         kp, kn = self.mine(sim, pos, neg)
         keep = self._anchor_weight(kp, kn, sim.dtype)[:, None] / sim.shape[0]
@@ -138,3 +185,19 @@ def _lse_and_softmax(x: Tensor, plus_one: bool) -> Tuple[Tensor, Tensor]:
         lse = torch.where(total > 0, shift + torch.log(total.clamp(min=torch.finfo(x.dtype).tiny)), 0.0)
     weights = e.div_(total.clamp(min=torch.finfo(x.dtype).tiny))
     return lse.squeeze(1), weights
+
+
+def _step(x: Tensor) -> Tensor:
+    """1.0 where ``x > 0`` else 0.0, with float arithmetic only (CPU bool<->float kernels are slow)."""
+    return torch.sign(x).clamp_(min=0.0)
+
+
+def _float_label_masks(labels: Tensor, gallery_labels: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """``(pos, neg)`` as 0/1 float matrices (self-pairs removed by index); labels are first renumbered 0..C-1
+    so that they are exact in floating point."""
+    B = labels.shape[0]
+    ids = torch.unique(torch.cat([labels, gallery_labels]), return_inverse=True)[1].to(dtype)
+    neg = (ids[:B, None] - ids[None, B:]).abs_().clamp_(max=1.0)
+    pos = torch.sub(1.0, neg)
+    pos[:, :B].diagonal().zero_()
+    return pos, neg
