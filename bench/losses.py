@@ -107,8 +107,10 @@ def pml_runs(case: str, batch: int) -> bool:
     return batch <= PML_MAX_BATCH.get(case, batch)
 
 
-def time_case(case: str, batch: int, dim: int, repeats: int, device: str) -> Dict[str, float]:
+def time_case(case: str, batch: int, dim: int, repeats: int, device: str, plain: bool = False) -> Dict[str, float]:
     ours, theirs = make_pair(case)
+    if plain and hasattr(ours, "closed_form"):
+        ours.closed_form = False  # plain masked composition differentiated by autograd
     data, labels = make_data(case, batch, dim, device)
     with_pml = pml_runs(case, batch)
     run_once(ours, data, labels, device)  # warm-up
@@ -190,6 +192,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-memory", action="store_true", help="skip the per-case memory subprocesses")
+    parser.add_argument("--plain", action="store_true",
+                        help="time our plain masked autograd path instead of the closed-form backward")
     parser.add_argument("--json", default=None, help="also write the raw results to this file")
     parser.add_argument("--memory-child", nargs=3, metavar=("CASE", "IMPL", "BATCH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -201,7 +205,8 @@ def main() -> None:
     import pytorch_metric_learning
 
     print(f"# torch {torch.__version__}, pytorch-metric-learning {pytorch_metric_learning.__version__}, "
-          f"device {args.device}, threads {torch.get_num_threads()}, dim {args.dim}, repeats {args.repeats}")
+          f"device {args.device}, threads {torch.get_num_threads()}, dim {args.dim}, repeats {args.repeats}"
+          f"{', ours = plain autograd path' if args.plain else ''}")
     mem_unit = "MiB CUDA peak" if args.device.startswith("cuda") else "MiB peak RSS (before loss)"
     print(f"| loss | B | ours ms | pml ms | ours/pml | ours {mem_unit} | pml {mem_unit} |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -209,7 +214,7 @@ def main() -> None:
     for case in args.cases:
         for batch in args.batch:
             res = time_case(case, batch, args.dim, args.repeats if batch < 2048 else max(3, args.repeats // 2),
-                            args.device)
+                            args.device, plain=args.plain)
             mem = {}
             if not args.no_memory:
                 for impl in ("ours", "pml") if pml_runs(case, batch) else ("ours",):
