@@ -39,7 +39,7 @@ def trees(tmp_path_factory):
     base = tmp_path_factory.mktemp("data")
     cub_counts = [1 + (c % 3) for c in range(200)]  # 1, 2 or 3 images per class
     return {
-        "cub": make_cub200(base / "cub", images_per_class=cub_counts),
+        "cub": make_cub200(base / "cub", images_per_class=cub_counts, grayscale_ids=(1,)),
         "cub_counts": cub_counts,
         "cars_annos": make_cars196(base / "cars_annos", layout="annos", images_per_class=2),
         "cars_devkit": make_cars196(base / "cars_devkit", layout="devkit", images_per_class=2),
@@ -85,6 +85,14 @@ def test_cub_zero_shot_split_and_count_warning(trees, which):
     for ds in (dm.train_dataset, dm.test_dataset):
         assert [int(p.parent.name[:3]) for p in ds.paths] == ds.labels.tolist()
     assert any("5,864" in m and f"{sum(counts[:100]) - 5864:+,}" in m for m in messages), messages
+
+
+def test_cub_grey_jpeg_becomes_three_channels(trees):
+    dm = CUB200DataModule(trees["cub"], **SMALL)
+    _setup(dm)
+    assert _pixels(dm.train_dataset, 0).shape == (30, 40, 3)  # image id 1 is a single-channel JPEG
+    assert dm.train_dataset[0][0].shape == (3, 16, 16)
+    assert dm.hparams["test_as_val"] is True
 
 
 def test_cub_paper_counts_give_no_warning(trees):

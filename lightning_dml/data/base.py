@@ -84,6 +84,8 @@ class DMLDataModule(pl.LightningDataModule):
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
         self.train_sampler: BalancedClassSampler | None = None
+        # logged with the run's hyper-parameters: whether the validation numbers are test-split numbers
+        self.save_hyperparameters({"test_as_val": self.test_as_val, "val_classes_fraction": val_classes_fraction})
 
     @property
     def batch_size(self) -> int:
