@@ -128,7 +128,7 @@ class PairSimilarityHistogram(pl.Callback):
     * the two histograms to W&B (``wandb.Histogram``) or TensorBoard (``add_histogram``) when those loggers are
       attached;
     * ``history``: a list of ``{"step", "edges", "positive", "negative"}`` (counts over ``bins`` bins of
-      [-1, 1]) for notebooks and tests.
+      [-1, 1]; ``step`` = optimizer steps taken before the batch) for notebooks and tests.
 
     Args:
         every_n_steps: training steps between two histograms.
@@ -143,6 +143,7 @@ class PairSimilarityHistogram(pl.Callback):
         self.bins = bins
         self.history: list[dict] = []
         self._capture = False
+        self._step = 0
         self._embeddings: torch.Tensor | None = None
         self._handle = None
 
@@ -161,6 +162,7 @@ class PairSimilarityHistogram(pl.Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx: int) -> None:
         self._capture = trainer.global_step % self.every_n_steps == 0
+        self._step = trainer.global_step  # optimizer steps taken before this batch's embeddings
         self._embeddings = None
 
     @staticmethod
@@ -183,7 +185,7 @@ class PairSimilarityHistogram(pl.Callback):
         edges = torch.linspace(-1.0, 1.0, self.bins + 1)
         pos_counts = torch.histc(positive.cpu(), self.bins, -1.0, 1.0)
         neg_counts = torch.histc(negative.cpu(), self.bins, -1.0, 1.0)
-        step = trainer.global_step
+        step = self._step
         self.history.append({"step": step, "edges": edges, "positive": pos_counts, "negative": neg_counts})
         overlap = (negative > positive.median()).float().mean()
         pl_module.log_dict(

@@ -193,6 +193,11 @@ class DMLModule(pl.LightningModule):
             self.backbone.train()
         self._apply_frozen_modes()
 
+    def on_train_start(self) -> None:
+        # A fit resumed from a mid-epoch checkpoint does not call on_train_epoch_start for the interrupted epoch:
+        # apply the freeze schedule of the restored epoch here too.
+        self.on_train_epoch_start()
+
     def on_train_epoch_start(self) -> None:
         # Lightning (>= 2.2) does not call .train() when fit starts and restores each submodule's mode after
         # validation, so the frozen modes are (re)applied here

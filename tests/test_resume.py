@@ -1,5 +1,6 @@
 """Fault tolerance: a run killed after a mid-epoch checkpoint and resumed with ``--ckpt_path last`` ends exactly as
-an uninterrupted run with the same seed (model, optimizer, step-wise scheduler, sampler position and epoch seed).
+an uninterrupted run with the same seed (model, optimizer, step-wise scheduler, sampler position, epoch seed and
+the backbone-freeze schedule).
 
 The end-to-end test runs the real ``lightning-dml fit`` in subprocesses (tests/scripts/resume_run.py) on the Glyphs
 data: one uninterrupted run, and one that blocks just after its step-8 checkpoint (epoch 1, batch 2 of 6) and is
@@ -52,6 +53,8 @@ ARGS = [
     "--data.init_args.image_size=16",
     "--data.init_args.classes_per_batch=8",
     "--periodic_checkpoint.every_n_train_steps=4",
+    # backbone frozen in epochs 0 and 1: the kill falls inside the frozen phase, the last epoch trains it
+    "--model.freeze_backbone_epochs=2",
 ]
 
 
