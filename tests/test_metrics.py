@@ -309,3 +309,38 @@ def test_tree_sum_is_batch_independent() -> None:
 
 def test_bf16_runtime_check_is_bool() -> None:
     assert isinstance(bf16_matmul_is_fast(), bool)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_symmetric_tile_pass_equals_brute_force(precision: str) -> None:
+    """All-vs-all with many tiles (the symmetric pass, split over 3 simulated processes too)."""
+    from lightning_dml.metrics._search import concat_results
+
+    x, y = _tricky_set(n=330, seed=12)
+    ks = (1, 2, 4, 8, 16)
+    ref = brute_metrics(x, y, ks)
+    ps = F.prepare(x, y)
+    search = F.build_search(ps, precision=precision, query_block=40)
+    assert search.use_symmetric()
+    k = int(search.num_positives.max())
+    stats = F._stats_from_result(search, search.run(k, ks), search.q_items)
+    got = F.stats_to_metrics(stats, ks)
+    for key in KEYS:
+        assert got[key] == pytest.approx(ref[key], abs=1e-12), key
+    # three "processes", each with its share of tiles, merged as under DDP
+    from lightning_dml.metrics._search import merge_states
+
+    world = 3
+    partial = []
+    for rank in range(world):
+        st = search.prepare_state(torch.arange(330), k, ks)
+        search.scan_symmetric(st, (rank, world))
+        partial.append(st)
+    merged = merge_states(partial)
+    res = concat_results([search.finish(merged.select(search.block_rows(b)), k, ks) for b in range(search.num_blocks)], k)
+    single = search.run(k, ks)
+    assert torch.equal(res.first_positive_rank >= 0, single.first_positive_rank >= 0)
+    for kk in ks:
+        assert torch.equal((res.first_positive_rank >= 0) & (res.first_positive_rank < kk),
+                           (single.first_positive_rank >= 0) & (single.first_positive_rank < kk))
+    assert torch.equal(F._stats_from_result(search, res, search.q_items).relevance, stats.relevance)

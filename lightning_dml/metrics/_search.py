@@ -26,7 +26,9 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -107,6 +109,7 @@ class Scorer:
         if metric not in ("cosine", "euclidean"):
             raise ValueError(f"metric must be 'cosine' or 'euclidean', got {metric!r}")
         self.x = x.contiguous()
+        self.threads = torch.get_num_threads()  # for the matrix products; the rest runs on one thread
         self.metric = metric
         self.precision = precision
         n, d = x.shape
@@ -146,7 +149,8 @@ class Scorer:
     # ---------------------------------------------------------------- approximate
     def approx(self, q_items: Tensor, g_items: Tensor) -> Tensor:
         """Approximate scores ``(len(q_items), len(g_items))`` in float32."""
-        prod = self.rep[q_items] @ self.rep[g_items].T
+        with _Threads(self.threads):
+            prod = self.rep[q_items] @ self.rep[g_items].T
         prod = prod.float()
         if self.metric == "cosine":
             return prod
@@ -218,6 +222,51 @@ class Scorer:
         return out
 
 
+class _Threads:
+    """Run a section with ``n`` intra-op threads (restores the previous setting).
+
+    The search runs its element-wise work (comparisons, counts, gathers on tiles of about 1M entries) on
+    one thread and only the matrix products on all of them: splitting such small operations across
+    OpenMP threads costs more than it saves, and far more when the CPU is shared with other processes
+    (measured here: the whole SOP-like search 3x slower on 2 busy cores with 2 threads everywhere).
+    """
+
+    def __init__(self, n: int = 1) -> None:
+        self.n = max(1, int(n))
+        self.prev = 0
+
+    def __enter__(self) -> None:
+        self.prev = torch.get_num_threads()
+        if self.prev != self.n:
+            torch.set_num_threads(self.n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.prev != self.n:
+            torch.set_num_threads(self.prev)
+
+
+_OneThread = _Threads
+
+
+def _count(m: Tensor, dim: int) -> Tensor:
+    """Number of True entries of a bool matrix along ``dim`` (a byte sum: much faster than count_nonzero)."""
+    return m.view(torch.uint8).sum(dim=dim, dtype=torch.int32)
+
+
+def _true_pairs(m: Tensor, dim: int) -> tuple[Tensor, Tensor]:
+    """``m.nonzero()`` restricted to the lines (rows for dim=1, columns for dim=0) that hold a True."""
+    cnt = _count(m, dim)
+    lines = (cnt > 0).nonzero().squeeze(1)
+    if lines.numel() == 0:
+        e = torch.empty(0, dtype=torch.long)
+        return e, e
+    if dim == 1:
+        r, c = m[lines].nonzero(as_tuple=True)
+        return lines[r], c
+    r, c = m[:, lines].nonzero(as_tuple=True)
+    return r, lines[c]
+
+
 def _down(t: Tensor) -> Tensor:
     """float64 -> float32, rounded towards -inf (so comparisons stay conservative)."""
     f = t.to(torch.float32)
@@ -228,6 +277,35 @@ def _up(t: Tensor) -> Tensor:
     """float64 -> float32, rounded towards +inf."""
     f = t.to(torch.float32)
     return torch.where(f.double() < t, torch.nextafter(f, torch.full_like(f, math.inf)), f)
+
+
+@dataclass
+class PassState:
+    """Per-query state of the approximate pass (rows = positions into the query list)."""
+
+    rows: Tensor
+    w: Tensor  # error bound per query (float64)
+    has: Tensor  # query has at least one positive
+    s_best: Tensor | None  # exact best positive score
+    p_best: Tensor | None  # its gallery position
+    thr_lo: Tensor | None  # float32 band around s_best
+    thr_hi: Tensor | None
+    lo: Tensor  # items with approx > thr_hi (certainly ranked ahead)
+    hi: Tensor  # items with approx >= thr_lo (possibly ranked ahead, best positive included)
+    kc: int  # candidate buffer width
+    buf_v: Tensor  # [rows, <=kc] largest approximate scores, descending
+    buf_i: Tensor  # their gallery positions
+
+    def select(self, rows: Tensor) -> PassState:
+        """The state of a subset of rows (``rows`` index into this state's rows)."""
+
+        def sel(t: Tensor | None) -> Tensor | None:
+            return None if t is None else t[rows]
+
+        return PassState(
+            self.rows[rows], self.w[rows], self.has[rows], sel(self.s_best), sel(self.p_best), sel(self.thr_lo),
+            sel(self.thr_hi), self.lo[rows], self.hi[rows], self.kc, self.buf_v[rows], self.buf_i[rows],
+        )
 
 
 @dataclass
@@ -397,6 +475,39 @@ class ExactSearch:
         return full.topk(width, dim=1)
 
     # ------------------------------------------------------------------ main
+    @staticmethod
+    def _merge_candidates(
+        buf_v: Tensor, buf_i: Tensor, a: Tensor, c0: int, kc: int, m: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Keep the kc largest approximate scores per row (values, gallery positions) across chunks.
+
+        Once a row's buffer is full, only entries >= its current kc-th value can enter, so a comparison
+        and a sparse extraction replace a full ``topk`` of the chunk.
+        """
+        if buf_v.shape[1] < kc:
+            v, i = a.topk(min(kc, a.shape[1]), dim=1)
+            buf_v = torch.cat([buf_v, v], dim=1)
+            buf_i = torch.cat([buf_i, i + c0], dim=1)
+        else:
+            torch.ge(a, buf_v[:, kc - 1 :], out=m)
+            r, c = _true_pairs(m, 1)
+            if r.numel() == 0:
+                return buf_v, buf_i
+            nr = a.shape[0]
+            counts = torch.bincount(r, minlength=nr)
+            width = int(counts.max())
+            pos = torch.arange(r.numel()) - (torch.cumsum(counts, 0) - counts)[r]
+            v = torch.full((nr, width), -math.inf)
+            i = torch.zeros((nr, width), dtype=torch.long)
+            v[r, pos] = a[r, c]
+            i[r, pos] = c + c0
+            buf_v = torch.cat([buf_v, v], dim=1)
+            buf_i = torch.cat([buf_i, i], dim=1)
+        if buf_v.shape[1] > kc:
+            buf_v, j = buf_v.topk(kc, dim=1)
+            buf_i = buf_i.gather(1, j)
+        return buf_v, buf_i
+
     def _order_candidates(
         self, rows: Tensor, cand_v: Tensor, cand_i: Tensor, cut: Tensor, w: Tensor, kk: int, exact_scores: bool
     ) -> tuple[Tensor, Tensor]:
@@ -452,43 +563,153 @@ class ExactSearch:
         gidx = torch.where(torch.isfinite(score), gidx, torch.full_like(gidx, -1))
         return gidx, score
 
-    def run_block(self, b: int, k: int, rank_ks: tuple[int, ...], exact_scores: bool = False) -> SearchResult:
-        """Search query block ``b`` (rows ``[b * query_block, (b + 1) * query_block)``)."""
-        nq = self.q_items.numel()
-        rows = torch.arange(b * self.query_block, min(nq, (b + 1) * self.query_block))
+    # ------------------------------------------------------------------ per-query state
+    def prepare_state(self, rows: Tensor, k: int, rank_ks: tuple[int, ...]) -> PassState:
+        """Bounds, exact best positive and its band thresholds, empty counters and buffers for ``rows``."""
         ng = self.g_items.numel()
         w = self.scorer.error_bound(self.q_items[rows], self.g_items)
         npos = self.num_positives[rows]
-
-        # exact best positive, and its uncertainty band for the rank count
-        need_rank = len(rank_ks) > 0
-        if need_rank:
-            s_best, p_best = self._best_positive(rows, w)
-            has = npos > 0
-            thr_hi = torch.where(has, _up(s_best + w), torch.full_like(w, math.inf, dtype=torch.float32))
-            thr_lo = torch.where(has, _down(s_best - w), torch.full_like(w, math.inf, dtype=torch.float32))
-            lo = torch.zeros(rows.numel(), dtype=torch.long)
-            hi = torch.zeros(rows.numel(), dtype=torch.long)
-
+        has = npos > 0
+        nr = rows.numel()
+        if rank_ks:
+            s_best = torch.full((nr,), -math.inf, dtype=torch.float64)
+            p_best = torch.full((nr,), -1, dtype=torch.long)
+            for s in range(0, nr, 8192):
+                s_best[s : s + 8192], p_best[s : s + 8192] = self._best_positive(rows[s : s + 8192], w[s : s + 8192])
+            inf = torch.full((nr,), math.inf, dtype=torch.float32)
+            thr_hi = torch.where(has, _up(s_best + w), inf)
+            thr_lo = torch.where(has, _down(s_best - w), inf)
+        else:
+            s_best = p_best = thr_hi = thr_lo = None
         kc = min(ng, k + max(8, k // 2)) if k > 0 else 0
-        buf_v = torch.empty(rows.numel(), 0)
-        buf_i = torch.empty(rows.numel(), 0, dtype=torch.long)
+        return PassState(
+            rows=rows,
+            w=w,
+            has=has,
+            s_best=s_best,
+            p_best=p_best,
+            thr_lo=thr_lo,
+            thr_hi=thr_hi,
+            lo=torch.zeros(nr, dtype=torch.long),
+            hi=torch.zeros(nr, dtype=torch.long),
+            kc=kc,
+            buf_v=torch.empty(nr, 0),
+            buf_i=torch.empty(nr, 0, dtype=torch.long),
+        )
+
+    def scan_rows(self, st: PassState) -> None:
+        """Approximate pass of the state's rows against the whole gallery, chunk by chunk."""
+        rows = st.rows
+        ng = self.g_items.numel()
+        need_rank = st.thr_lo is not None
+        mask = torch.empty(rows.numel(), min(ng, self.gallery_chunk), dtype=torch.bool)
         for c0 in range(0, ng, self.gallery_chunk):
             c1 = min(ng, c0 + self.gallery_chunk)
             a = self._approx_rows(rows, c0, c1)
-            if need_rank:
-                lo += torch.count_nonzero(a > thr_hi.unsqueeze(1), dim=1)
-                hi += torch.count_nonzero(a >= thr_lo.unsqueeze(1), dim=1)
-            if kc > 0:
-                v, i = a.topk(min(kc, c1 - c0), dim=1)
-                buf_v = torch.cat([buf_v, v], dim=1)
-                buf_i = torch.cat([buf_i, i + c0], dim=1)
-                if buf_v.shape[1] > kc:
-                    buf_v, j = buf_v.topk(kc, dim=1)
-                    buf_i = buf_i.gather(1, j)
+            m = mask[:, : c1 - c0]
+            with _OneThread():
+                if need_rank:
+                    torch.gt(a, st.thr_hi.unsqueeze(1), out=m)
+                    st.lo += _count(m, 1)
+                    torch.ge(a, st.thr_lo.unsqueeze(1), out=m)
+                    st.hi += _count(m, 1)
+                if st.kc > 0:
+                    st.buf_v, st.buf_i = self._merge_candidates(st.buf_v, st.buf_i, a, c0, st.kc, m)
 
-        # ---- exact rank of the best positive
-        if need_rank:
+    # ------------------------------------------------------------------ symmetric (all-vs-all) pass
+    @property
+    def symmetric(self) -> bool:
+        """All-vs-all: the queries are the gallery, so one product serves both (q, g) and (g, q)."""
+        return self.q_items.numel() == self.g_items.numel() and bool(torch.equal(self.q_items, self.g_items))
+
+    def tiles(self) -> list[tuple[int, int]]:
+        """Upper-triangular tiles (i <= j) of the global tile grid (tile size ``query_block``)."""
+        nb = self.num_blocks
+        return [(i, j) for i in range(nb) for j in range(i, nb)]
+
+    def scan_symmetric(self, st: PassState, part: tuple[int, int] = (0, 1)) -> None:
+        """Approximate pass over the tiles ``t`` with ``t % world == rank`` (``part = (rank, world)``).
+
+        Each off-diagonal tile ``X_i X_j^T`` is used twice: rows are queries of block i against gallery
+        block j, columns queries of block j against gallery block i, halving the products. Every diagonal
+        tile is computed by every process to seed the candidate thresholds; only the owner counts it.
+        ``st`` must cover all rows; counters and buffers hold this process's share (merge with
+        :func:`merge_states`).
+        """
+        rank, world = part
+        n = self.q_items.numel()
+        bs = self.query_block
+        nb = self.num_blocks
+        need_rank = st.thr_lo is not None
+        kc = st.kc
+        tau = torch.full((n,), -math.inf)
+        mask = torch.empty(min(n, bs), min(n, bs), dtype=torch.bool)
+        tile_ids = {t: idx for idx, t in enumerate(self.tiles())}
+
+        def block(i: int) -> Tensor:
+            return torch.arange(i * bs, min(n, (i + 1) * bs))
+
+        # diagonal tiles: thresholds for everyone, counts and candidates for the owner
+        for i in range(nb):
+            r = block(i)
+            a = self._approx_rows(r, int(r[0]), int(r[-1]) + 1)
+            own = tile_ids[(i, i)] % world == rank
+            if kc > 0:
+                v, idx = a.topk(min(kc, a.shape[1]), dim=1)
+                if v.shape[1] == kc:
+                    tau[r] = v[:, -1]
+                if own:
+                    st.buf_v, st.buf_i = _insert_rows(st.buf_v, st.buf_i, r, v, idx + int(r[0]), kc)
+            if own and need_rank:
+                m = mask[: r.numel(), : r.numel()]
+                torch.gt(a, st.thr_hi[r].unsqueeze(1), out=m)
+                st.lo[r] += _count(m, 1)
+                torch.ge(a, st.thr_lo[r].unsqueeze(1), out=m)
+                st.hi[r] += _count(m, 1)
+        for (i, j), idx_t in tile_ids.items():
+            if i == j or idx_t % world != rank:
+                continue
+            ri, rj = block(i), block(j)
+            a = self.scorer.approx(self.q_items[ri], self.g_items[rj])
+            m = mask[: ri.numel(), : rj.numel()]
+            with _OneThread():
+                if need_rank:
+                    torch.gt(a, st.thr_hi[ri].unsqueeze(1), out=m)
+                    st.lo[ri] += _count(m, 1)
+                    torch.ge(a, st.thr_lo[ri].unsqueeze(1), out=m)
+                    st.hi[ri] += _count(m, 1)
+                    torch.gt(a, st.thr_hi[rj].unsqueeze(0), out=m)
+                    st.lo[rj] += _count(m, 0)
+                    torch.ge(a, st.thr_lo[rj].unsqueeze(0), out=m)
+                    st.hi[rj] += _count(m, 0)
+                if kc > 0:
+                    # rows: queries in block i; an entry can only matter if it reaches the row's threshold
+                    torch.ge(a, tau[ri].unsqueeze(1), out=m)
+                    r, c = _true_pairs(m, 1)
+                    if r.numel():
+                        st.buf_v, st.buf_i = _insert_pairs(st.buf_v, st.buf_i, ri[r], a[r, c], rj[c], kc)
+                        upd = torch.unique(ri[r])
+                        full = st.buf_v.shape[1] >= kc
+                        if full:
+                            tau[upd] = torch.maximum(tau[upd], st.buf_v[upd, kc - 1])
+                    torch.ge(a, tau[rj].unsqueeze(0), out=m)
+                    r, c = _true_pairs(m, 0)
+                    if r.numel():
+                        st.buf_v, st.buf_i = _insert_pairs(st.buf_v, st.buf_i, rj[c], a[r, c], ri[r], kc)
+                        upd = torch.unique(rj[c])
+                        if st.buf_v.shape[1] >= kc:
+                            tau[upd] = torch.maximum(tau[upd], st.buf_v[upd, kc - 1])
+
+    # ------------------------------------------------------------------ exact finish
+    def finish(self, st: PassState, k: int, rank_ks: tuple[int, ...], exact_scores: bool = False) -> SearchResult:
+        """Exact ranks and neighbour lists of the state's rows from its (complete) counters and buffers."""
+        rows = st.rows
+        ng = self.g_items.numel()
+        w = st.w
+        npos = self.num_positives[rows]
+        has = st.has
+        lo, hi, buf_v, buf_i = st.lo, st.hi, st.buf_v, st.buf_i
+        if rank_ks:
             rank = lo.clone()
             ks = torch.tensor(rank_ks, dtype=torch.long)
             # rank lies in [lo, hi - 1]; resolve it exactly where that interval straddles a requested K
@@ -497,12 +718,13 @@ class ExactSearch:
                 ar = amb.nonzero().squeeze(1)
                 for s in range(0, ar.numel(), 256):
                     sub = ar[s : s + 256]
-                    rank[sub] = self._rank_exact_rows(rows[sub], s_best[sub], p_best[sub], thr_lo[sub], thr_hi[sub])
+                    rank[sub] = self._rank_exact_rows(
+                        rows[sub], st.s_best[sub], st.p_best[sub], st.thr_lo[sub], st.thr_hi[sub]
+                    )
             rank = torch.where(has, rank, torch.full_like(rank, -1))
         else:
             rank = torch.full((rows.numel(),), -1, dtype=torch.long)
 
-        # ---- exact top-k
         if k > 0:
             kk = min(k, ng)
             t = buf_v[:, kk - 1]
@@ -513,21 +735,14 @@ class ExactSearch:
             cand_v, cand_i = buf_v, buf_i
             if bool(bad.any()):
                 br = bad.nonzero().squeeze(1)
-                extra_v, extra_i = [], []
-                for s in range(0, br.numel(), 64):
-                    sub = br[s : s + 64]
-                    v, i = self._topk_rows_full(rows[sub], kk, w[sub])
-                    extra_v.append(v)
-                    extra_i.append(i)
-                width = max(cand_v.shape[1], max(v.shape[1] for v in extra_v))
+                extra = [self._topk_rows_full(rows[br[s : s + 64]], kk, w[br[s : s + 64]]) for s in range(0, br.numel(), 64)]
+                width = max(cand_v.shape[1], max(v.shape[1] for v, _ in extra))
                 cand_v = torch.nn.functional.pad(cand_v, (0, width - cand_v.shape[1]), value=-math.inf)
                 cand_i = torch.nn.functional.pad(cand_i, (0, width - cand_i.shape[1]), value=0)
-                for sub_start, (v, i) in zip(range(0, br.numel(), 64), zip(extra_v, extra_i)):
-                    sub = br[sub_start : sub_start + 64]
-                    v = torch.nn.functional.pad(v, (0, width - v.shape[1]), value=-math.inf)
-                    i = torch.nn.functional.pad(i, (0, width - i.shape[1]), value=0)
-                    cand_v[sub] = v
-                    cand_i[sub] = i
+                for s, (v, i) in zip(range(0, br.numel(), 64), extra):
+                    sub = br[s : s + 64]
+                    cand_v[sub] = torch.nn.functional.pad(v, (0, width - v.shape[1]), value=-math.inf)
+                    cand_i[sub] = torch.nn.functional.pad(i, (0, width - i.shape[1]), value=0)
                 t = cand_v.topk(kk, dim=1).values[:, -1]
                 cut = _down(t.double() - 2 * w)
             gidx, exact = self._order_candidates(rows, cand_v, cand_i, cut, w, kk, exact_scores)
@@ -539,26 +754,146 @@ class ExactSearch:
             exact = torch.empty(rows.numel(), 0, dtype=torch.float64)
         return SearchResult(gidx, exact, rank, npos)
 
+    def block_rows(self, b: int) -> Tensor:
+        nq = self.q_items.numel()
+        return torch.arange(b * self.query_block, min(nq, (b + 1) * self.query_block))
+
+    def run_block(self, b: int, k: int, rank_ks: tuple[int, ...], exact_scores: bool = False) -> SearchResult:
+        """Search query block ``b`` (rows ``[b * query_block, (b + 1) * query_block)``) against the gallery."""
+        st = self.prepare_state(self.block_rows(b), k, rank_ks)
+        self.scan_rows(st)
+        return self.finish(st, k, rank_ks, exact_scores)
+
+    def use_symmetric(self) -> bool:
+        """Use the symmetric tile pass: all-vs-all with at least 4 tiles per side."""
+        return self.symmetric and self.num_blocks >= 4
+
     def run(
         self, k: int, rank_ks: tuple[int, ...], blocks: list[int] | None = None, exact_scores: bool = False
     ) -> SearchResult:
-        """Run the given query blocks (all by default) and concatenate their results in block order.
+        """Search (single process) and return the results of the given query blocks (default all).
 
         ``exact_scores=False`` re-scores only the candidates whose order is uncertain: the neighbour order
         is exact either way, but ``scores`` then holds approximate values where no re-scoring was needed.
         """
+        with _Threads(1):
+            return self._run(k, rank_ks, blocks, exact_scores)
+
+    def _run(
+        self, k: int, rank_ks: tuple[int, ...], blocks: list[int] | None = None, exact_scores: bool = False
+    ) -> SearchResult:
         blocks = list(range(self.num_blocks)) if blocks is None else blocks
-        parts = [self.run_block(b, k, rank_ks, exact_scores) for b in blocks]
-        if not parts:
-            return SearchResult(
-                torch.empty(0, k, dtype=torch.long),
-                torch.empty(0, k, dtype=torch.float64),
-                torch.empty(0, dtype=torch.long),
-                torch.empty(0, dtype=torch.long),
-            )
+        if self.use_symmetric():
+            st = self.prepare_state(torch.arange(self.q_items.numel()), k, rank_ks)
+            self.scan_symmetric(st)
+            parts = [self.finish(st.select(self.block_rows(b)), k, rank_ks, exact_scores) for b in blocks]
+        else:
+            parts = [self.run_block(b, k, rank_ks, exact_scores) for b in blocks]
+        return concat_results(parts, k)
+
+
+    def run_distributed(
+        self,
+        k: int,
+        rank_ks: tuple[int, ...],
+        rank: int,
+        world: int,
+        all_gather: Callable[[Any], list[Any]],
+        exact_scores: bool = False,
+    ) -> SearchResult:
+        """Multi-process search: every process gets the result for all queries, identical everywhere.
+
+        The work is split on the global grid: symmetric tiles ``t`` (or query blocks ``b``) go to process
+        ``t % world`` (``b % world``). Partial counters/candidate buffers are merged with ``all_gather``
+        (a function returning the list of every process's object, in rank order); each process then
+        finishes its share of query blocks exactly and the per-query results are gathered in block order.
+        Every per-query result is a function of exact scores only, hence independent of ``world``.
+        """
+        with _Threads(1):
+            mine = list(range(rank, self.num_blocks, world))
+            if self.use_symmetric():
+                st = self.prepare_state(torch.arange(self.q_items.numel()), k, rank_ks)
+                self.scan_symmetric(st, (rank, world))
+                parts = all_gather((st.lo, st.hi, st.buf_v, st.buf_i))
+                merged = merge_states(
+                    [PassState(st.rows, st.w, st.has, st.s_best, st.p_best, st.thr_lo, st.thr_hi, lo, hi, st.kc, v, i)
+                     for lo, hi, v, i in parts]
+                )
+                res = [self.finish(merged.select(self.block_rows(b)), k, rank_ks, exact_scores) for b in mine]
+            else:
+                res = [self.run_block(b, k, rank_ks, exact_scores) for b in mine]
+            gathered = all_gather(dict(zip(mine, res)))
+        by_block: dict[int, SearchResult] = {}
+        for part in gathered:
+            by_block.update(part)
+        return concat_results([by_block[b] for b in range(self.num_blocks)], k)
+
+
+def concat_results(parts: list[SearchResult], k: int) -> SearchResult:
+    """Concatenate per-block results in order."""
+    if not parts:
         return SearchResult(
-            torch.cat([p.neighbors for p in parts]),
-            torch.cat([p.scores for p in parts]),
-            torch.cat([p.first_positive_rank for p in parts]),
-            torch.cat([p.num_positives for p in parts]),
+            torch.empty(0, k, dtype=torch.long),
+            torch.empty(0, k, dtype=torch.float64),
+            torch.empty(0, dtype=torch.long),
+            torch.empty(0, dtype=torch.long),
         )
+    return SearchResult(
+        torch.cat([p.neighbors for p in parts]),
+        torch.cat([p.scores for p in parts]),
+        torch.cat([p.first_positive_rank for p in parts]),
+        torch.cat([p.num_positives for p in parts]),
+    )
+
+
+def _insert_rows(buf_v: Tensor, buf_i: Tensor, rows: Tensor, v: Tensor, i: Tensor, kc: int) -> tuple[Tensor, Tensor]:
+    """Merge dense candidate rows ``(v, i)`` into the buffers of ``rows`` keeping the kc largest."""
+    return _insert_pairs(buf_v, buf_i, rows.repeat_interleave(v.shape[1]), v.reshape(-1), i.reshape(-1), kc)
+
+
+def _insert_pairs(buf_v: Tensor, buf_i: Tensor, q: Tensor, v: Tensor, g: Tensor, kc: int) -> tuple[Tensor, Tensor]:
+    """Merge candidate triples (query row q, value v, gallery position g) into the buffers (top kc)."""
+    n = buf_v.shape[0]
+    order = torch.argsort(q, stable=True)
+    q, v, g = q[order], v[order], g[order]
+    counts = torch.bincount(q, minlength=n)
+    width = int(counts.max())
+    pos = torch.arange(q.numel()) - (torch.cumsum(counts, 0) - counts)[q]
+    rows = torch.unique(q)
+    local = torch.full((n,), -1, dtype=torch.long)
+    local[rows] = torch.arange(rows.numel())
+    nv = torch.full((rows.numel(), width), -math.inf)
+    ni = torch.zeros((rows.numel(), width), dtype=torch.long)
+    nv[local[q], pos] = v
+    ni[local[q], pos] = g
+    cv = torch.cat([buf_v[rows], nv], dim=1)
+    ci = torch.cat([buf_i[rows], ni], dim=1)
+    width_new = min(kc, cv.shape[1])
+    if cv.shape[1] > width_new:
+        cv, j = cv.topk(width_new, dim=1)
+        ci = ci.gather(1, j)
+    if width_new > buf_v.shape[1]:
+        buf_v = torch.nn.functional.pad(buf_v, (0, width_new - buf_v.shape[1]), value=-math.inf)
+        buf_i = torch.nn.functional.pad(buf_i, (0, width_new - buf_i.shape[1]), value=0)
+    cv = torch.nn.functional.pad(cv, (0, buf_v.shape[1] - cv.shape[1]), value=-math.inf)
+    ci = torch.nn.functional.pad(ci, (0, buf_i.shape[1] - ci.shape[1]), value=0)
+    buf_v[rows] = cv
+    buf_i[rows] = ci
+    return buf_v, buf_i
+
+
+def merge_states(states: list[PassState]) -> PassState:
+    """Combine the partial counters and candidate buffers of several processes (same rows, same order)."""
+    base = states[0]
+    lo = sum((s.lo for s in states[1:]), base.lo.clone())
+    hi = sum((s.hi for s in states[1:]), base.hi.clone())
+    kc = base.kc
+    if kc > 0:
+        v = torch.cat([s.buf_v for s in states], dim=1)
+        i = torch.cat([s.buf_i for s in states], dim=1)
+        width = min(kc, v.shape[1])
+        v, j = v.topk(width, dim=1)
+        i = i.gather(1, j)
+    else:
+        v, i = base.buf_v, base.buf_i
+    return PassState(base.rows, base.w, base.has, base.s_best, base.p_best, base.thr_lo, base.thr_hi, lo, hi, kc, v, i)

@@ -202,7 +202,7 @@ def build_search(
     *,
     metric: str = "cosine",
     precision: str = "auto",
-    query_block: int = 1024,
+    query_block: int = 2048,
     gallery_chunk: int = 8192,
 ) -> ExactSearch:
     """Set up the chunked exact search over a prepared set (global query blocks of ``query_block``)."""
@@ -237,7 +237,7 @@ def retrieval_stats(
     k: int | None = None,
     rank_ks: Sequence[int] = (1,),
     precision: str = "auto",
-    query_block: int = 1024,
+    query_block: int = 2048,
     gallery_chunk: int = 8192,
 ) -> RetrievalStats:
     """Exact per-query statistics: rank of the best same-class item and the k-nearest-neighbour relevance.

@@ -4,7 +4,9 @@ Accumulates raw embeddings, labels and split indices (list states, ``dist_reduce
 de-duplicates the rows that ``DistributedSampler`` padding repeats (by index), sorts them by index, and
 computes the metrics of :mod:`lightning_dml.metrics.functional`. Under DDP each process scores its share of
 the global query blocks (block b goes to process ``b % world_size``) against the full gallery and the
-per-query results are gathered, so every figure equals the single-process one to the last digit.
+per-query results are gathered, so every figure equals the single-process one to the last digit. In
+all-vs-all mode the work unit is a tile of the symmetric similarity matrix (each tile serves both of its
+query blocks); partial counts and candidate lists are merged across processes before the exact finish.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
 from lightning_dml.metrics import functional as F
-from lightning_dml.metrics._search import SearchResult
 
 __all__ = ["RetrievalMetrics"]
 
@@ -76,7 +77,7 @@ class RetrievalMetrics(Metric):
         precision: str = "auto",
         kmeans_iters: int = 20,
         kmeans_backend: str = "auto",
-        query_block: int = 1024,
+        query_block: int = 2048,
         gallery_chunk: int = 8192,
         distributed_split: bool = True,
         **kwargs: Any,
@@ -168,28 +169,7 @@ class RetrievalMetrics(Metric):
         k = max(1, int(search.num_positives.max())) if self.map_at_r else 1
         ks = tuple(sorted(set(self.recall_at) | {1}))
         if split:
-            mine = list(range(rank, search.num_blocks, world))
-            res = search.run(k, ks, mine)
-            parts = _all_gather((mine, res), self.process_group, world)
-            by_block: dict[int, SearchResult] = {}
-            for blocks, r in parts:
-                bounds = [min(search.query_block, search.q_items.numel() - b * search.query_block) for b in blocks]
-                offs = 0
-                for b, size in zip(blocks, bounds):
-                    by_block[b] = SearchResult(
-                        r.neighbors[offs : offs + size],
-                        r.scores[offs : offs + size],
-                        r.first_positive_rank[offs : offs + size],
-                        r.num_positives[offs : offs + size],
-                    )
-                    offs += size
-            order = [by_block[b] for b in range(search.num_blocks)]
-            res = SearchResult(
-                torch.cat([p.neighbors for p in order]),
-                torch.cat([p.scores for p in order]),
-                torch.cat([p.first_positive_rank for p in order]),
-                torch.cat([p.num_positives for p in order]),
-            )
+            res = search.run_distributed(k, ks, rank, world, lambda obj: _all_gather(obj, self.process_group, world))
         else:
             res = search.run(k, ks)
         stats = F._stats_from_result(search, res, search.q_items)

@@ -1,0 +1,172 @@
+"""Benchmark of the evaluation layer at Stanford Online Products scale (issue 6).
+
+60,502 random 512-d embeddings with SOP-like class sizes (11,316 classes of 2 to 12 items). Each method runs
+in its own process so its peak memory (``getrusage`` max RSS) is its own:
+
+* ``ours``     -- ``lightning_dml.metrics.functional.retrieval_metrics``: exact Recall@{1,10,100,1000},
+                  Precision@1, R-Precision and MAP@R (clustering off).
+* ``pml``      -- ``pytorch_metric_learning``'s ``AccuracyCalculator`` (faiss k-NN, k = 1000) computing the
+                  same figures (Recall@K added as custom metrics on its k-NN labels).
+* ``faiss``    -- a bare ``faiss.IndexFlatIP`` search of k = 1000 (no metric computed at all).
+* ``nmi``      -- NMI + F1 of one k-means run with k = 11,316 (``kmeans_backend`` as given, default auto).
+
+Usage::
+
+    OMP_NUM_THREADS=2 python bench/evaluation.py                 # all methods, markdown table
+    OMP_NUM_THREADS=2 python bench/evaluation.py --methods ours faiss --n 20000
+    python bench/evaluation.py --worker ours                     # one method, JSON line (used internally)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, ROOT)
+
+RECALL_AT = (1, 10, 100, 1000)
+
+
+def make_data(n: int, d: int, seed: int = 0):
+    """Random embeddings and SOP-like labels: class sizes 2..12, as many classes as SOP has per item."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    classes = max(1, round(n * 11316 / 60502))
+    sizes = torch.full((classes,), 2, dtype=torch.long)
+    extra = n - 2 * classes
+    while extra > 0:  # hand out the remaining items at random, at most 12 per class
+        pick = torch.randint(0, classes, (extra,), generator=g)
+        add = torch.minimum(torch.bincount(pick, minlength=classes), 12 - sizes)
+        keep = torch.cumsum(add, 0) <= extra
+        add = torch.where(keep, add, torch.zeros_like(add))
+        sizes += add
+        extra -= int(add.sum())
+    labels = torch.repeat_interleave(torch.arange(classes), sizes)
+    labels = labels[torch.randperm(n, generator=g)]
+    x = torch.randn(n, d, generator=g)
+    return x, labels
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def run_ours(x, y, args) -> dict:
+    from lightning_dml.metrics import functional as F
+
+    return F.retrieval_metrics(x, y, recall_at=RECALL_AT, map_at_r=True, precision=args.precision)
+
+
+def run_pml(x, y, args) -> dict:
+    import torch
+    from pytorch_metric_learning.utils.accuracy_calculator import AccuracyCalculator
+
+    class WithRecall(AccuracyCalculator):
+        """AccuracyCalculator plus Recall@K computed from its own k-NN labels."""
+
+        def requires_knn(self):
+            return super().requires_knn() + [f"recall_at_{k}" for k in RECALL_AT]
+
+    for k in RECALL_AT:
+
+        def calc(self, knn_labels, query_labels, _k=k, **kwargs):
+            hit = (knn_labels[:, :_k] == query_labels.unsqueeze(1)).any(dim=1)
+            return float(hit.double().mean())
+
+        setattr(WithRecall, f"calculate_recall_at_{k}", calc)
+    calc = WithRecall(
+        include=("precision_at_1", "r_precision", "mean_average_precision_at_r") + tuple(f"recall_at_{k}" for k in RECALL_AT),
+        k=max(RECALL_AT),
+        device=torch.device("cpu"),
+    )
+    xn = torch.nn.functional.normalize(x, dim=1)
+    res = calc.get_accuracy(xn, y, xn, y, ref_includes_query=True)
+    out = {f"recall@{k}": res[f"recall_at_{k}"] for k in RECALL_AT}
+    out.update(precision_at_1=res["precision_at_1"], r_precision=res["r_precision"], map_at_r=res["mean_average_precision_at_r"])
+    return out
+
+
+def run_faiss(x, y, args) -> dict:
+    import faiss
+    import torch
+
+    xn = torch.nn.functional.normalize(x, dim=1).numpy()
+    index = faiss.IndexFlatIP(xn.shape[1])
+    index.add(xn)
+    _, idx = index.search(xn, max(RECALL_AT))
+    return {"k": int(idx.shape[1])}
+
+
+def run_nmi(x, y, args) -> dict:
+    from lightning_dml.metrics import functional as F
+
+    return F.clustering_metrics(x, y, seeds=1, iters=args.kmeans_iters, backend=args.kmeans_backend)
+
+
+METHODS = {"ours": run_ours, "pml": run_pml, "faiss": run_faiss, "nmi": run_nmi}
+
+
+def worker(args) -> None:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+        try:
+            import faiss
+
+            faiss.omp_set_num_threads(args.threads)
+        except ImportError:
+            pass
+    x, y = make_data(args.n, args.d)
+    base = _rss_mb()  # interpreter + libraries + the embeddings
+    t0 = time.perf_counter()
+    res = METHODS[args.worker](x, y, args)
+    dt = time.perf_counter() - t0
+    peak = _rss_mb()
+    print(json.dumps({"method": args.worker, "seconds": dt, "base_rss_mb": base, "peak_rss_mb": peak, "result": res}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=60502)
+    p.add_argument("--d", type=int, default=512)
+    p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "0") or 0))
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
+    p.add_argument("--kmeans-iters", type=int, default=20)
+    p.add_argument("--kmeans-backend", default="auto", choices=["auto", "torch", "faiss"])
+    p.add_argument("--methods", nargs="+", default=["ours", "pml", "faiss", "nmi"], choices=list(METHODS))
+    p.add_argument("--worker", choices=list(METHODS), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    rows = []
+    for m in args.methods:
+        cmd = [sys.executable, __file__, "--worker", m, "--n", str(args.n), "--d", str(args.d),
+               "--threads", str(args.threads), "--precision", args.precision,
+               "--kmeans-iters", str(args.kmeans_iters), "--kmeans-backend", args.kmeans_backend]
+        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        if out.returncode != 0:
+            print(f"{m} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+            continue
+        rec = json.loads(out.stdout.strip().splitlines()[-1])
+        rows.append(rec)
+        print(json.dumps(rec), flush=True)
+    faiss_t = next((r["seconds"] for r in rows if r["method"] == "faiss"), None)
+    print(f"\nN={args.n} D={args.d} threads={args.threads or 'default'} load={os.getloadavg()[0]:.1f}\n")
+    print("| method | time (s) | x bare faiss k=1000 | peak RSS (MB) | above start (MB) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['seconds'] / faiss_t:.2f}" if faiss_t else "-"
+        print(f"| {r['method']} | {r['seconds']:.1f} | {ratio} | {r['peak_rss_mb']:.0f} | {r['peak_rss_mb'] - r['base_rss_mb']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
