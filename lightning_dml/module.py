@@ -10,6 +10,7 @@ import torch
 from pytorch_lightning.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 
+from lightning_dml.checks import check_fit_combination, check_training_batch
 from lightning_dml.losses import build_loss
 from lightning_dml.metrics import RetrievalMetrics
 from lightning_dml.models.backbones import _check_levels
@@ -146,8 +147,14 @@ class DMLModule(pl.LightningModule):
             return self.loss(embeddings, labels, ref_embeddings=ref_embeddings, ref_labels=ref_labels)
         return self.loss(embeddings, labels)
 
+    def setup(self, stage: str) -> None:
+        if stage == "fit":  # before any step: a loss and sampler that give no positive pairs cannot train
+            check_fit_combination(self.loss, getattr(self.trainer, "datamodule", None))
+
     def training_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch[0], batch[1]
+        if batch_idx == 0:  # any data source: its first batch of every epoch must hold positive pairs
+            check_training_batch(self.loss, labels)
         batch_size = labels.shape[0]
         if self.fusion == "per_level":
             level_losses = [self._pair_loss(e, labels) for e in self.embed_levels(images)]

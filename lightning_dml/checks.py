@@ -1,0 +1,52 @@
+"""Checks of option combinations that cannot train, run before any work is done (and on the first batch).
+
+Every loss of this library learns from positive pairs (two images of one class in a batch): the P x K sampler
+provides them when K >= 2, the N-pair sampler by construction. A batch without any positive pair gives a zero
+or meaningless loss, and a run configured that way would train for hours without learning, so it is an error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def _loss_name(loss: Any) -> str:
+    return type(loss).__name__
+
+
+def check_fit_combination(loss: Any, datamodule: Any) -> None:
+    """Raise ``ValueError`` when ``datamodule``'s training batches cannot give ``loss`` any positive pair.
+
+    Reads the data module's ``samples_per_class`` (K of the P x K sampler) and ``sampler`` where it has them;
+    other data modules are checked on their first batch by :func:`check_training_batch`.
+    """
+    if datamodule is None:
+        return
+    k = getattr(datamodule, "samples_per_class", None)
+    if k is not None and int(k) < 2:
+        npair = _loss_name(loss) == "NPairLoss"
+        hint = "set samples_per_class: 2 with sampler: npair" if npair else "set samples_per_class >= 2"
+        raise ValueError(
+            f"{_loss_name(loss)} needs positive pairs, but {type(datamodule).__name__} draws samples_per_class={k} "
+            f"image per class per batch, so no batch holds two images of one class: {hint}"
+        )
+
+
+def check_training_batch(loss: Any, labels: torch.Tensor) -> None:
+    """Raise ``ValueError`` when a training batch has no two items of the same class (no positive pair)."""
+    if labels.ndim != 1:
+        raise ValueError(f"training labels must be a 1-d tensor of class ids, got shape {tuple(labels.shape)}")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise ValueError(f"training labels must be integer class ids, got dtype {labels.dtype}")
+    if labels.numel() and torch.unique(labels).numel() == labels.numel():
+        n = labels.numel()
+        raise ValueError(
+            f"{_loss_name(loss)} needs positive pairs, but the training batch of {n} items has {n} distinct "
+            "labels (no two images of one class): use the P x K sampler with samples_per_class >= 2 (the N-pair "
+            "sampler for NPairLoss)"
+        )
+
+
+__all__ = ["check_fit_combination", "check_training_batch"]
