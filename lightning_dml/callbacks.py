@@ -10,6 +10,7 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.utilities import rank_zero_info
 
+from lightning_dml.data.base import split_eval_batch
 from lightning_dml.metrics import RetrievalMetrics
 
 _COLUMNS = ("recall@1", "recall@2", "recall@4", "recall@8", "map@r", "nmi")
@@ -19,12 +20,16 @@ _COLUMNS = ("recall@1", "recall@2", "recall@4", "recall@8", "map@r", "nmi")
 def evaluate_embeddings(
     embed, dataloader: torch.utils.data.DataLoader, device: torch.device, clustering: bool = True
 ) -> dict[str, float]:
-    """Retrieval metrics of ``embed(images)`` over every batch of ``dataloader`` (items ``(image, label, index)``)."""
+    """Retrieval metrics of ``embed(images)`` over every batch of ``dataloader``.
+
+    Batches are evaluation batches of a data module (see :func:`~lightning_dml.data.base.split_eval_batch`), so
+    query/gallery benchmarks are evaluated query against gallery.
+    """
     metric = RetrievalMetrics(recall_at=(1, 2, 4, 8), clustering=clustering).to(device)
     for batch in dataloader:
-        images, labels = batch[0].to(device), batch[1].to(device)
-        indices = batch[2].to(device) if len(batch) > 2 else None
-        metric.update(embed(images), labels, indices=indices)
+        images, targets = split_eval_batch(batch)
+        targets = {k: None if v is None else v.to(device) for k, v in targets.items()}
+        metric.update(embed(images.to(device)), **targets)
     return metric.compute()
 
 

@@ -62,6 +62,9 @@ class DMLCLI(LightningCLI):
                     "init_args": {"project": "lightning-dml", "offline": True, "save_dir": "logs"},
                 },
                 "trainer.num_sanity_val_steps": 0,
+                # P x K batches come from BalancedClassSampler, which shards them by rank itself; Lightning's
+                # DistributedSampler replacement would deal each process every world-size-th index instead.
+                "trainer.use_distributed_sampler": False,
             }
         )
 

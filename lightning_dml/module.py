@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_dml.checks import check_fit_combination, check_training_batch
 from lightning_dml.losses import build_loss
+from lightning_dml.data.base import split_eval_batch
 from lightning_dml.metrics import RetrievalMetrics
 from lightning_dml.models.backbones import _check_levels
 from lightning_dml.models.heads import LinearEmbedding, MultiLevelEmbedding
@@ -219,11 +220,8 @@ class DMLModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ evaluation
     def _evaluation_step(self, metric: RetrievalMetrics, batch: Sequence[torch.Tensor]) -> None:
-        images, labels = batch[0], batch[1]
-        indices = batch[2] if len(batch) > 2 else None
-        # query/gallery benchmarks (In-Shop) yield (image, label, index, is_query, is_gallery)
-        query_mask, gallery_mask = (batch[3], batch[4]) if len(batch) > 4 else (None, None)
-        metric.update(self(images), labels, indices=indices, query_mask=query_mask, gallery_mask=gallery_mask)
+        images, targets = split_eval_batch(batch)
+        metric.update(self(images), **targets)
 
     def _log_metrics(self, metric: RetrievalMetrics, prefix: str) -> dict[str, float]:
         values = metric.compute()
