@@ -265,12 +265,12 @@ def ranked_list(z, y, alpha=1.2, margin=0.4, temperature=10.0, lam=1.0, detach_g
         def d(j):
             return torch.sqrt(torch.clamp(2.0 - 2.0 * torch.clamp(torch.dot(f[i], g[j]), -1.0, 1.0), min=1e-12))
 
-        Pstar = [j for j in P if float(d(j)) > alpha - margin]
-        Nstar = [j for j in Ng if float(d(j)) < alpha]
+        Pstar = [j for j in P if float(d(j).detach()) > alpha - margin]
+        Nstar = [j for j in Ng if float(d(j).detach()) < alpha]
         if Pstar:
             total = total + sum(d(j) - (alpha - margin) for j in Pstar) / len(Pstar)
         if Nstar:
-            w = {j: math.exp(temperature * (alpha - float(d(j)))) for j in Nstar}
+            w = {j: math.exp(temperature * (alpha - float(d(j).detach()))) for j in Nstar}
             wsum = sum(w.values())
             total = total + lam * sum(w[j] / wsum * (alpha - d(j)) for j in Nstar)
     return total / B
