@@ -295,6 +295,7 @@ class PassState:
     kc: int  # candidate buffer width
     buf_v: Tensor  # [rows, <=kc] largest approximate scores, descending
     buf_i: Tensor  # their gallery positions
+    rank_ks: tuple[int, ...] = ()  # the K whose "rank < K" decisions must be exact
 
     def select(self, rows: Tensor) -> PassState:
         """The state of a subset of rows (``rows`` index into this state's rows)."""
@@ -305,6 +306,7 @@ class PassState:
         return PassState(
             self.rows[rows], self.w[rows], self.has[rows], sel(self.s_best), sel(self.p_best), sel(self.thr_lo),
             sel(self.thr_hi), self.lo[rows], self.hi[rows], self.kc, self.buf_v[rows], self.buf_i[rows],
+            self.rank_ks,
         )
 
 
@@ -595,6 +597,7 @@ class ExactSearch:
             kc=kc,
             buf_v=torch.empty(nr, 0),
             buf_i=torch.empty(nr, 0, dtype=torch.long),
+            rank_ks=tuple(rank_ks),
         )
 
     def scan_rows(self, st: PassState) -> None:
@@ -645,6 +648,7 @@ class ExactSearch:
         tau = torch.full((n,), -math.inf)
         mask = torch.empty(min(n, bs), min(n, bs), dtype=torch.bool)
         tile_ids = {t: idx for idx, t in enumerate(self.tiles())}
+        kmax = max(rank_ks_of(st)) if need_rank else 0
 
         def block(i: int) -> Tensor:
             return torch.arange(i * bs, min(n, (i + 1) * bs))
@@ -674,14 +678,8 @@ class ExactSearch:
             m = mask[: ri.numel(), : rj.numel()]
             with _OneThread():
                 if need_rank:
-                    torch.gt(a, st.thr_hi[ri].unsqueeze(1), out=m)
-                    st.lo[ri] += _count(m, 1)
-                    torch.ge(a, st.thr_lo[ri].unsqueeze(1), out=m)
-                    st.hi[ri] += _count(m, 1)
-                    torch.gt(a, st.thr_hi[rj].unsqueeze(0), out=m)
-                    st.lo[rj] += _count(m, 0)
-                    torch.ge(a, st.thr_lo[rj].unsqueeze(0), out=m)
-                    st.hi[rj] += _count(m, 0)
+                    self._count_side(a, m, st, ri, 1, kmax)
+                    self._count_side(a, m, st, rj, 0, kmax)
                 if kc > 0:
                     # rows: queries in block i; an entry can only matter if it reaches the row's threshold
                     torch.ge(a, tau[ri].unsqueeze(1), out=m)
@@ -699,6 +697,31 @@ class ExactSearch:
                         upd = torch.unique(rj[c])
                         if st.buf_v.shape[1] >= kc:
                             tau[upd] = torch.maximum(tau[upd], st.buf_v[upd, kc - 1])
+
+    @staticmethod
+    def _count_side(a: Tensor, m: Tensor, st: PassState, rows: Tensor, dim: int, kmax: int) -> None:
+        """Add the band counts of one side of a tile (dim=1: rows of ``a`` are queries; dim=0: columns).
+
+        A query whose certain count ``lo`` already reaches the largest K is a miss for every K, so it is
+        left out of further counting (its rank stays a lower bound on the right side of every K); only the
+        still-active queries are compared when they are a minority.
+        """
+        active = st.has[rows] & (st.lo[rows] < kmax)
+        na = int(active.sum())
+        if na == 0:
+            return
+        if na * 2 > rows.numel():
+            sub, part, mm = rows, a, m
+        else:
+            idx = active.nonzero().squeeze(1)
+            sub = rows[idx]
+            part = a.index_select(1 - dim, idx)
+            mm = torch.empty(part.shape, dtype=torch.bool)
+        shape = (-1, 1) if dim == 1 else (1, -1)
+        torch.gt(part, st.thr_hi[sub].view(shape), out=mm)
+        st.lo[sub] += _count(mm, dim)
+        torch.ge(part, st.thr_lo[sub].view(shape), out=mm)
+        st.hi[sub] += _count(mm, dim)
 
     # ------------------------------------------------------------------ exact finish
     def finish(self, st: PassState, k: int, rank_ks: tuple[int, ...], exact_scores: bool = False) -> SearchResult:
@@ -816,7 +839,8 @@ class ExactSearch:
                 self.scan_symmetric(st, (rank, world))
                 parts = all_gather((st.lo, st.hi, st.buf_v, st.buf_i))
                 merged = merge_states(
-                    [PassState(st.rows, st.w, st.has, st.s_best, st.p_best, st.thr_lo, st.thr_hi, lo, hi, st.kc, v, i)
+                    [PassState(st.rows, st.w, st.has, st.s_best, st.p_best, st.thr_lo, st.thr_hi, lo, hi, st.kc, v, i,
+                               st.rank_ks)
                      for lo, hi, v, i in parts]
                 )
                 res = [self.finish(merged.select(self.block_rows(b)), k, rank_ks, exact_scores) for b in mine]
@@ -827,6 +851,10 @@ class ExactSearch:
         for part in gathered:
             by_block.update(part)
         return concat_results([by_block[b] for b in range(self.num_blocks)], k)
+
+
+def rank_ks_of(st: PassState) -> tuple[int, ...]:
+    return st.rank_ks
 
 
 def concat_results(parts: list[SearchResult], k: int) -> SearchResult:
@@ -896,4 +924,6 @@ def merge_states(states: list[PassState]) -> PassState:
         i = i.gather(1, j)
     else:
         v, i = base.buf_v, base.buf_i
-    return PassState(base.rows, base.w, base.has, base.s_best, base.p_best, base.thr_lo, base.thr_hi, lo, hi, kc, v, i)
+    return PassState(
+        base.rows, base.w, base.has, base.s_best, base.p_best, base.thr_lo, base.thr_hi, lo, hi, kc, v, i, base.rank_ks
+    )
