@@ -50,6 +50,7 @@ def _fit(tmp_path: Path, seed: int) -> tuple[dict[str, float], str]:
     return {k: float(v) for k, v in cli.trainer.callback_metrics.items()}, digest.hexdigest()
 
 
+@pytest.mark.slow
 def test_two_seeded_runs_are_identical(tmp_path, glyph_renders):
     metrics_a, weights_a = _fit(tmp_path / "a", seed=0)
     metrics_b, weights_b = _fit(tmp_path / "b", seed=0)

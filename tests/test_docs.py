@@ -65,6 +65,7 @@ def test_adding_a_loss_page_runs_and_is_correct(circle_namespace):
         build_loss("cirle")
 
 
+@pytest.mark.slow
 def test_slurm_example_builds_a_valid_ddp_command(tmp_path):
     """examples/slurm/train.sbatch, run with a stand-in `srun` that asks the CLI to validate and print the config
     instead of training: every option of the example exists and lands where docs/cluster.md says."""

@@ -50,6 +50,7 @@ def test_every_format_is_written_and_nothing_else(trained):
     assert sorted(p.name for p in out.iterdir()) == sorted([STATE_DICT, TORCHSCRIPT, TORCH_EXPORT])
 
 
+@pytest.mark.slow
 def test_reloaded_without_lightning_gives_the_module_embeddings(trained, tmp_path):
     """A fresh interpreter in which importing Lightning or lightning_dml fails loads both program formats."""
     module, out, _ = trained
@@ -111,6 +112,7 @@ def test_bad_export_requests_write_nothing(trained, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+@pytest.mark.slow
 def test_export_a_checkpoint_from_its_config(tmp_path, tmp_path_factory):
     """The command-line path: a config as `lightning-dml` saves it plus a Lightning checkpoint."""
     glyph_cache.install(tmp_path_factory.getbasetemp() / glyph_cache.FILENAME)
