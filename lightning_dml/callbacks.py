@@ -259,10 +259,7 @@ class RecallCurve(pl.Callback):
 
     def write(self, folder: Path) -> None:
         """Write ``recall_curve.csv`` and ``recall_curve.png`` into ``folder``."""
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure  # no pyplot: the user's backend (e.g. a notebook's) is left alone
 
         folder.mkdir(parents=True, exist_ok=True)
         columns = self._columns()
@@ -270,7 +267,8 @@ class RecallCurve(pl.Callback):
         for row in self.history:
             lines.append(",".join([str(row["epoch"]), str(row["step"]), *(f"{row.get(c, float('nan')):.6f}" for c in columns)]))
         (folder / "recall_curve.csv").write_text("\n".join(lines) + "\n")
-        fig, ax = plt.subplots(figsize=(5, 3.5))
+        fig = Figure(figsize=(5, 3.5))
+        ax = fig.subplots()
         epochs = [row["epoch"] + 1 for row in self.history]
         for c in columns:
             ax.plot(epochs, [100 * row.get(c, float("nan")) for row in self.history], marker="o", label=c)
@@ -280,7 +278,6 @@ class RecallCurve(pl.Callback):
         ax.legend()
         fig.tight_layout()
         fig.savefig(folder / "recall_curve.png", dpi=100)
-        plt.close(fig)
 
     def state_dict(self) -> dict:
         return {"history": list(self.history)}
