@@ -23,12 +23,13 @@ from lightning_dml.data.base import DMLDataModule, TensorImageDataset
 from lightning_dml.data.cub import CUB200DataModule
 from lightning_dml.data.files import DatasetLayoutError
 from lightning_dml.data.image_list import CorruptImageError
+from lightning_dml.data.inshop import InShopDataModule
 from lightning_dml.data.samplers import BalancedClassSampler
 from lightning_dml.losses import MultiSimilarityLoss, NPairLoss, build_loss
 from lightning_dml.metrics import RetrievalMetrics
 from lightning_dml.models import SmallConvNet, build_backbone
 from lightning_dml.module import DMLModule
-from tests.fixtures_data import corrupt_file, make_cub200, make_sop
+from tests.fixtures_data import corrupt_file, make_cub200, make_inshop, make_sop
 
 SMALL = {"image_size": 16, "num_workers": 0, "eval_batch_size": 8, "check_counts": False}
 
@@ -128,6 +129,18 @@ def test_unreadable_image_skipped_with_a_warning_when_asked(tmp_path):
             assert images.shape[0] == labels.shape[0] == 24  # the batch keeps its P x K shape
         for _ in data.test_dataloader():
             pass
+
+
+@pytest.mark.parametrize("missing", ["query", "gallery"])
+def test_inshop_without_query_or_gallery_images(tmp_path, missing):
+    """In-Shop is evaluated query vs gallery: a list without one of them fails at setup, not after an epoch."""
+    top = make_inshop(tmp_path)
+    other = "gallery" if missing == "query" else "query"
+    listing = top / "list_eval_partition.txt"
+    listing.write_text(listing.read_text().replace(f" {missing}\n", f" {other}\n"))
+    data = InShopDataModule(str(tmp_path), classes_per_batch=4, samples_per_class=2, **SMALL)
+    with pytest.raises(ValueError, match=rf"list_eval_partition\.txt lists no '{missing}' image"):
+        data.setup("fit")
 
 
 # ------------------------------------------------------------------------------------ sampler

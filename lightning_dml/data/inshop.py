@@ -76,6 +76,12 @@ class InShopDataModule(ImageFilesDataModule):
         paths = [p[0] for p in parsed]
         train = np.flatnonzero(status == "train")
         test = np.flatnonzero(status != "train")
+        for needed in ("query", "gallery"):  # In-Shop is evaluated query vs gallery: both must be listed
+            if not (status == needed).any():
+                raise ValueError(
+                    f"{self.dataset_name}: {path} lists no '{needed}' image; In-Shop evaluation ranks the query "
+                    f"images against the gallery images, so both are needed. Expected layout:\n{self.layout}"
+                )
         return {
             "train": SplitFiles([paths[i] for i in train], labels[train]),
             "test": SplitFiles(
