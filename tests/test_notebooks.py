@@ -72,6 +72,7 @@ def test_quickstart_then_embeddings_notebook(tmp_path, tmp_path_factory, monkeyp
     assert _images(emb) >= 3  # t-SNE, retrieval grid, per-class recall
 
 
+@pytest.mark.slow
 def test_embeddings_notebook_says_what_is_missing(tmp_path, tmp_path_factory):
     from nbclient.exceptions import CellExecutionError
 
