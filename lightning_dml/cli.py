@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-
 from typing import Any
 
 from pytorch_lightning import Trainer
@@ -67,7 +66,6 @@ class DMLCLI(LightningCLI):
                 "trainer.use_distributed_sampler": False,
             }
         )
-
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """Add the checkpoint callbacks (unless checkpointing is off), saving to one predictable folder."""
