@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 
 from lightning_dml.data.files import ImageFilesDataModule, SplitFiles, find_top_folder, read_whitespace_table
-from lightning_dml.data.input_spec import InputSpec
 
 INSHOP_LAYOUT = """\
   <root>/<top>/      with <top> one of: InShop, inshop, In-shop, In-shop Clothes Retrieval Benchmark, DeepFashion,
@@ -42,18 +41,6 @@ class InShopDataModule(ImageFilesDataModule):
     dataset_name = "In-Shop"
     layout = INSHOP_LAYOUT
     expected_counts = {"train": 25882, "query": 14218, "gallery": 12612, "train classes": 3997, "test classes": 3985}
-
-    def __init__(
-        self,
-        root: str,
-        classes_per_batch: int = 16,
-        samples_per_class: int = 4,
-        num_workers: int = 4,
-        image_size: int | None = None,
-        input_spec: InputSpec | None = None,
-        **kwargs,
-    ) -> None:
-        super().__init__(root, classes_per_batch, samples_per_class, num_workers, image_size, input_spec, **kwargs)
 
     def find_top(self) -> Path:
         return find_top_folder(self.root, _TOP_NAMES, [_LIST, f"Eval/{_LIST}"], self.dataset_name, self.layout)

@@ -17,7 +17,6 @@ from lightning_dml.data.files import (
     read_whitespace_table,
     require_file,
 )
-from lightning_dml.data.input_spec import InputSpec
 
 SOP_LAYOUT = """\
   <root>/Stanford_Online_Products/   (or root pointing at this folder)
@@ -37,18 +36,6 @@ class SOPDataModule(ImageFilesDataModule):
     dataset_name = "Stanford Online Products"
     layout = SOP_LAYOUT
     expected_counts = {"train": 59551, "test": 60502, "train classes": 11318, "test classes": 11316}
-
-    def __init__(
-        self,
-        root: str,
-        classes_per_batch: int = 16,
-        samples_per_class: int = 4,
-        num_workers: int = 4,
-        image_size: int | None = None,
-        input_spec: InputSpec | None = None,
-        **kwargs,
-    ) -> None:
-        super().__init__(root, classes_per_batch, samples_per_class, num_workers, image_size, input_spec, **kwargs)
 
     def find_top(self) -> Path:
         return find_top_folder(self.root, ["Stanford_Online_Products"], ["Ebay_train.txt"], self.dataset_name, self.layout)
