@@ -1,13 +1,17 @@
 """Callbacks: the before/after retrieval comparison that ``make demo`` prints, checkpoints a preempted run resumes
-from, and what is logged during training (pair-similarity histograms, Recall@K over epochs)."""
+from, what is logged during training (pair-similarity histograms, Recall@K over epochs, a retrieval grid image)
+and the predictions file that ``lightning-dml predict`` writes."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytorch_lightning as pl
 import torch
-from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks import BasePredictionWriter, ModelCheckpoint
 from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_dml.data.base import split_eval_batch
@@ -284,3 +288,210 @@ class RecallCurve(pl.Callback):
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.history = list(state_dict.get("history", []))
+
+
+# ---------------------------------------------------------------------------------------------- predictions file
+def _merge_predictions(outputs: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Concatenate ``predict_step`` outputs (CPU) into one ``embeddings``/``labels``/``indices`` dict."""
+    merged: dict[str, list[torch.Tensor]] = {"embeddings": [], "labels": [], "indices": []}
+    for out in outputs:
+        if "indices" not in out:
+            raise ValueError(
+                "PredictionWriter needs the dataset index of every item: predict_step must return 'indices' "
+                "(DMLModule does when the batch is (image, label, index, ...), as every data module yields)"
+            )
+        for key in merged:
+            merged[key].append(torch.as_tensor(out[key]).detach().cpu())
+    if not merged["indices"]:
+        empty = torch.empty(0, dtype=torch.long)
+        return {"embeddings": torch.empty(0, 0), "labels": empty, "indices": empty}
+    return {k: torch.cat(v) for k, v in merged.items()}
+
+
+def _sorted_unique(merged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The items sorted by index, each index once (the first occurrence)."""
+    indices = merged["indices"].long()
+    order = torch.sort(indices, stable=True).indices
+    sorted_indices = indices[order]
+    keep = torch.ones_like(sorted_indices, dtype=torch.bool)
+    keep[1:] = sorted_indices[1:] != sorted_indices[:-1]
+    order = order[keep]
+    return {
+        "embeddings": merged["embeddings"][order].float(),
+        "labels": merged["labels"][order].long(),
+        "indices": indices[order],
+    }
+
+
+class PredictionWriter(BasePredictionWriter):
+    """Write everything ``predict`` computed into ONE file, loadable with :func:`load_predictions`.
+
+    The file (``torch.save``) holds a dict:
+
+    * ``embeddings``: float32 ``[N, D]`` raw embeddings (``DMLModule.forward``; L2-normalise for cosine search),
+    * ``labels``: int64 ``[N]``, ``indices``: int64 ``[N]`` (position of the item in the predicted dataset; sorted,
+      each once),
+    * ``paths``: ``list[str]`` of the image file of each item when the predicted dataset has ``paths`` (the file
+      data modules: CUB-200, Cars196, SOP, In-Shop, image folders and lists), else ``None`` (in-memory datasets such
+      as Glyphs, whose ``labels`` index ``GlyphsDataModule.class_names``, one character per class).
+
+    Under DDP every process sends its items to rank 0 (``all_gather_object``), which drops duplicate indices and
+    writes the single file. ``lightning-dml predict`` adds one writing ``<log_dir>/predictions.pt``. Only one
+    predict dataloader is supported.
+
+    Args:
+        output_path: the file; ``<trainer.log_dir or default_root_dir>/predictions.pt`` when ``None``.
+    """
+
+    def __init__(self, output_path: str | None = None) -> None:
+        super().__init__(write_interval="epoch")
+        self.output_path = output_path
+        self.written_path: Path | None = None
+
+    def resolve_path(self, trainer: pl.Trainer) -> Path:
+        """Where the file goes for this trainer."""
+        if self.output_path is not None:
+            return Path(self.output_path)
+        return Path(trainer.log_dir or trainer.default_root_dir) / "predictions.pt"
+
+    @staticmethod
+    def _dataset(trainer: pl.Trainer) -> Any:
+        loaders = trainer.predict_dataloaders
+        if isinstance(loaders, (list, tuple)):
+            loaders = loaders[0] if len(loaders) == 1 else None
+        return getattr(loaders, "dataset", None)
+
+    def write_on_epoch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, predictions: Sequence[Any], batch_indices: Sequence[Any]
+    ) -> None:
+        if predictions and isinstance(predictions[0], list):  # one list per dataloader
+            if len(predictions) != 1:
+                raise ValueError(f"PredictionWriter supports one predict dataloader, got {len(predictions)}")
+            predictions = predictions[0]
+        merged = _merge_predictions(predictions)  # an empty shard (more processes than items) still gathers
+        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            gathered: list[Any] = [None] * trainer.world_size
+            torch.distributed.all_gather_object(gathered, merged)
+            parts = [p for p in gathered if p["indices"].numel() > 0]
+            merged = {k: torch.cat([p[k] for p in parts]) for k in merged} if parts else merged
+        if not trainer.is_global_zero:
+            return
+        result: dict[str, Any] = _sorted_unique(merged)
+        dataset = self._dataset(trainer)
+        paths = getattr(dataset, "paths", None)
+        result["paths"] = None if paths is None else [str(paths[i]) for i in result["indices"].tolist()]
+        path = self.resolve_path(trainer)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(result, path)
+        self.written_path = path
+        rank_zero_info(f"PredictionWriter: {len(result['indices'])} embeddings written to {path}")
+
+
+def load_predictions(path: str | Path) -> dict[str, Any]:
+    """Load a :class:`PredictionWriter` file: ``{"embeddings", "labels", "indices", "paths"}`` (see there)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no predictions file at {path} (lightning-dml predict writes <log_dir>/predictions.pt)")
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    missing = {"embeddings", "labels", "indices", "paths"} - set(data)
+    if missing:
+        raise ValueError(f"{path} is not a predictions file: missing {sorted(missing)}")
+    return data
+
+
+# ---------------------------------------------------------------------------------------------- retrieval grid
+class RetrievalGridLogger(pl.Callback):
+    """Log a retrieval grid (:func:`~lightning_dml.visualize.retrieval_grid`) at the end of every validation.
+
+    A fixed sample of ``sample_size`` items of the validation dataset (``seed``-ed choice, the same every epoch) is
+    embedded on rank zero; ``num_queries`` of them (also fixed) are shown in rows with their ``top_k`` nearest
+    neighbours within the sample, correct ones framed green, wrong ones red. The image goes to every logger with a
+    ``log_image`` method (W&B: ``log_image(key=key, images=[grid])``), to TensorBoard's ``add_image``, and, when
+    no logger took it, to ``<log_dir or default_root_dir>/retrievals/epoch=E-step=S.png``. ``last_grid`` holds the
+    latest image (uint8 ``[H, W, 3]``). Not in ``configs/glyphs.yaml`` (keeps the demo fast); add it with
+    ``--trainer.callbacks+=lightning_dml.callbacks.RetrievalGridLogger``.
+
+    Args:
+        num_queries: rows of the grid.
+        top_k: neighbours per query.
+        sample_size: items embedded (queries and their candidate neighbours).
+        seed: seed of the sample and of the queries.
+        key: the image's name in the loggers.
+    """
+
+    def __init__(
+        self, num_queries: int = 8, top_k: int = 5, sample_size: int = 256, seed: int = 0, key: str = "val/retrievals"
+    ) -> None:
+        super().__init__()
+        if num_queries < 1 or top_k < 1 or sample_size < max(num_queries, top_k + 1):
+            raise ValueError(
+                f"need num_queries >= 1, top_k >= 1 and sample_size >= max(num_queries, top_k + 1), got "
+                f"{num_queries}, {top_k} and {sample_size}"
+            )
+        self.num_queries = num_queries
+        self.top_k = top_k
+        self.sample_size = sample_size
+        self.seed = seed
+        self.key = key
+        self.last_grid: np.ndarray | None = None
+
+    @staticmethod
+    def _dataset(trainer: pl.Trainer) -> Any:
+        datamodule = trainer.datamodule
+        dataset = getattr(datamodule, "val_dataset", None) if datamodule is not None else None
+        if dataset is None:
+            loaders = trainer.val_dataloaders
+            loader = loaders[0] if isinstance(loaders, (list, tuple)) and loaders else loaders
+            dataset = getattr(loader, "dataset", None)
+        if dataset is None:
+            raise ValueError("RetrievalGridLogger needs a validation dataset (datamodule.val_dataset or a val loader)")
+        return dataset
+
+    @torch.no_grad()
+    def make_grid(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> np.ndarray:
+        """Embed the fixed sample with ``pl_module`` and draw the grid."""
+        from lightning_dml.visualize import retrieval_grid
+
+        dataset = self._dataset(trainer)
+        n = len(dataset)
+        rng = np.random.default_rng(self.seed)
+        chosen = np.sort(rng.choice(n, size=min(self.sample_size, n), replace=False))
+        items = [dataset[int(i)] for i in chosen]
+        items = [item for item in items if item is not None]  # corrupt images skipped by the dataset
+        if len(items) < max(self.num_queries, self.top_k + 1):
+            raise ValueError(f"RetrievalGridLogger: only {len(items)} readable items, too few for the grid")
+        images = torch.stack([torch.as_tensor(item[0]) for item in items])
+        labels = torch.as_tensor([int(item[1]) for item in items])
+        was_training = pl_module.training
+        pl_module.eval()
+        try:
+            device = pl_module.device
+            embeddings = torch.cat([pl_module(images[i : i + 256].to(device)).cpu() for i in range(0, len(images), 256)])
+        finally:
+            pl_module.train(was_training)
+        return retrieval_grid(images, labels, embeddings, self.num_queries, self.top_k, seed=self.seed)
+
+    def log_grid(self, trainer: pl.Trainer, grid: np.ndarray) -> None:
+        """Send ``grid`` to the trainer's loggers, or save it as a PNG when none can take an image."""
+        from pytorch_lightning.loggers import TensorBoardLogger
+
+        logged = False
+        for logger in trainer.loggers:
+            if hasattr(logger, "log_image"):
+                logger.log_image(key=self.key, images=[grid], step=trainer.global_step)
+                logged = True
+            elif isinstance(logger, TensorBoardLogger):
+                logger.experiment.add_image(self.key, grid, trainer.global_step, dataformats="HWC")
+                logged = True
+        if not logged:
+            from PIL import Image
+
+            folder = Path(trainer.log_dir or trainer.default_root_dir) / "retrievals"
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(grid).save(folder / f"epoch={trainer.current_epoch}-step={trainer.global_step}.png")
+
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or not trainer.is_global_zero:
+            return
+        self.last_grid = self.make_grid(trainer, pl_module)
+        self.log_grid(trainer, self.last_grid)

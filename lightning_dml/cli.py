@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from pytorch_lightning import Trainer
-from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.callbacks import BasePredictionWriter, ModelCheckpoint
 from pytorch_lightning.cli import LightningCLI
 
-from lightning_dml.callbacks import PeriodicCheckpoint
+from lightning_dml.callbacks import PeriodicCheckpoint, PredictionWriter
 from lightning_dml.data.base import DMLDataModule
 from lightning_dml.data.input_spec import backbone_input_spec
 from lightning_dml.module import DMLModule
@@ -36,6 +36,10 @@ class DMLCLI(LightningCLI):
       ``every_n_train_steps`` training steps (mid-epoch) and at every epoch end.
 
     ``--trainer.enable_checkpointing false`` turns both off.
+
+    ``predict`` writes ``<log_dir>/predictions.pt`` (embeddings, labels, indices, image paths) with a
+    :class:`~lightning_dml.callbacks.PredictionWriter`, unless ``--trainer.callbacks`` already has a prediction
+    writer.
     """
 
     def add_arguments_to_parser(self, parser) -> None:
@@ -68,7 +72,8 @@ class DMLCLI(LightningCLI):
         )
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """Add the checkpoint callbacks (unless checkpointing is off), saving to one predictable folder."""
+        """Add the checkpoint callbacks (unless checkpointing is off), saving to one predictable folder, and for
+        ``predict`` a :class:`~lightning_dml.callbacks.PredictionWriter` unless the user gave a prediction writer."""
         trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
         callbacks = [self._get(self.config_init, key) for key in self._parser(self.subcommand).callback_keys]
         ours = [cb for cb in callbacks if isinstance(cb, ModelCheckpoint)]
@@ -81,6 +86,12 @@ class DMLCLI(LightningCLI):
             for cb in ours:
                 if cb.dirpath is None:
                     cb.dirpath = folder
+        if self.subcommand == "predict":
+            given_callbacks = trainer_config.get("callbacks") or []
+            if not isinstance(given_callbacks, list):
+                given_callbacks = [given_callbacks]
+            if not any(isinstance(cb, BasePredictionWriter) for cb in [*given_callbacks, *callbacks]):
+                callbacks = [*callbacks, PredictionWriter()]
         return self._instantiate_trainer(trainer_config, callbacks)
 
 
