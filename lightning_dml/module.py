@@ -14,6 +14,7 @@ from lightning_dml.checks import check_fit_combination, check_training_batch
 from lightning_dml.losses import build_loss
 from lightning_dml.data.base import split_eval_batch
 from lightning_dml.metrics import RetrievalMetrics
+from lightning_dml.metrics._progress import progress_bars
 from lightning_dml.models.backbones import _check_levels
 from lightning_dml.models.heads import LinearEmbedding, MultiLevelEmbedding
 
@@ -224,7 +225,11 @@ class DMLModule(pl.LightningModule):
         metric.update(self(images), **targets)
 
     def _log_metrics(self, metric: RetrievalMetrics, prefix: str) -> dict[str, float]:
-        values = metric.compute()
+        # the retrieval search and k-means can take minutes at SOP scale: show their progress where the
+        # trainer shows its own (rank zero, progress bar enabled)
+        show = self._trainer is not None and self.trainer.progress_bar_callback is not None
+        with progress_bars(show and self.trainer.is_global_zero):
+            values = metric.compute()
         metric.reset()
         self.log_dict({f"{prefix}/{k}": v for k, v in values.items()}, sync_dist=False, rank_zero_only=False)
         return values

@@ -344,3 +344,17 @@ def test_symmetric_tile_pass_equals_brute_force(precision: str) -> None:
         assert torch.equal((res.first_positive_rank >= 0) & (res.first_positive_rank < kk),
                            (single.first_positive_rank >= 0) & (single.first_positive_rank < kk))
     assert torch.equal(F._stats_from_result(search, res, search.q_items).relevance, stats.relevance)
+
+
+def test_progress_bars_are_opt_in_and_do_not_change_results(capsys):
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(400, 8, generator=g), torch.randint(0, 20, (400,), generator=g)
+    quiet = RetrievalMetrics(recall_at=(1, 4), kmeans_seeds=2, query_block=64, gallery_chunk=64)
+    loud = RetrievalMetrics(recall_at=(1, 4), kmeans_seeds=2, query_block=64, gallery_chunk=64, progress=True)
+    quiet.update(x, y)
+    loud.update(x, y)
+    assert quiet.compute() == loud.compute()
+    err = capsys.readouterr().err
+    assert "retrieval" in err and "k-means" in err
+    quiet.compute()
+    assert capsys.readouterr().err == ""

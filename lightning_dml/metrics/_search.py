@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_dml.metrics._progress import track
+
 _U32 = 2.0**-24  # unit roundoff of float32
 _U16 = 2.0**-8  # unit roundoff of bfloat16 (8 significant bits)
 _PAIR_BLOCK_BYTES = 8 * 2**20  # memory for one batch of gathered pairs (stays in cache)
@@ -606,7 +608,7 @@ class ExactSearch:
         ng = self.g_items.numel()
         need_rank = st.thr_lo is not None
         mask = torch.empty(rows.numel(), min(ng, self.gallery_chunk), dtype=torch.bool)
-        for c0 in range(0, ng, self.gallery_chunk):
+        for c0 in track(range(0, ng, self.gallery_chunk), "retrieval: gallery chunks"):
             c1 = min(ng, c0 + self.gallery_chunk)
             a = self._approx_rows(rows, c0, c1)
             m = mask[:, : c1 - c0]
@@ -670,7 +672,7 @@ class ExactSearch:
                 st.lo[r] += _count(m, 1)
                 torch.ge(a, st.thr_lo[r].unsqueeze(1), out=m)
                 st.hi[r] += _count(m, 1)
-        for (i, j), idx_t in tile_ids.items():
+        for (i, j), idx_t in track(tile_ids.items(), "retrieval: tiles", total=len(tile_ids)):
             if i == j or idx_t % world != rank:
                 continue
             ri, rj = block(i), block(j)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from lightning_dml.metrics._progress import track
 from lightning_dml.metrics._search import ExactSearch, Scorer, SearchResult, bf16_matmul_is_fast, resolve_precision
 from lightning_dml.metrics.kmeans import kmeans
 
@@ -468,7 +469,7 @@ def clustering_metrics(
         x = torch.nn.functional.normalize(x, dim=1)
     k = int(torch.unique(labels).numel())
     nmis, f1s = [], []
-    for s in range(seeds):
+    for s in track(range(seeds), "k-means seeds") if seeds > 1 else range(seeds):
         assign = kmeans(x, k, iters=iters, seed=seed_offset + s, backend=backend)
         nmis.append(nmi(labels, assign))
         f1s.append(f1_score(labels, assign))

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from lightning_dml.metrics._progress import track
+
 __all__ = ["faiss_available", "kmeans", "torch_kmeans"]
 
 
@@ -77,7 +79,7 @@ def torch_kmeans(x: Tensor, k: int, *, iters: int = 20, seed: int = 0, chunk: in
     else:
         c = x[torch.randperm(n, generator=g)[:k]].clone()
     labels = torch.zeros(n, dtype=torch.long)
-    for _ in range(iters):
+    for _ in track(range(iters), f"k-means (k={k})"):
         labels, dist = _assign(x, c, chunk)
         sums = torch.zeros(k, d, dtype=torch.float64).index_add_(0, labels, x.double())
         counts = torch.bincount(labels, minlength=k)

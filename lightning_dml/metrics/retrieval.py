@@ -20,6 +20,7 @@ from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
 from lightning_dml.metrics import functional as F
+from lightning_dml.metrics._progress import progress_bars
 
 __all__ = ["RetrievalMetrics"]
 
@@ -56,6 +57,7 @@ class RetrievalMetrics(Metric):
         kmeans_backend: ``"auto"``, ``"torch"`` or ``"faiss"``.
         query_block, gallery_chunk: chunk sizes of the search (memory ~ 4 * query_block * gallery_chunk bytes).
         distributed_split: under DDP split the query blocks across processes (else each recomputes all).
+        progress: show progress bars (tqdm) over the retrieval tiles and the k-means iterations in ``compute``.
 
     ``update(embeddings, labels, indices=None, query_mask=None, gallery_mask=None)``: ``indices`` is the
     position of each item in its split; pass it under DDP (it removes padding duplicates and makes the
@@ -80,6 +82,7 @@ class RetrievalMetrics(Metric):
         query_block: int = 2048,
         gallery_chunk: int = 8192,
         distributed_split: bool = True,
+        progress: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -105,6 +108,7 @@ class RetrievalMetrics(Metric):
         self.query_block = int(query_block)
         self.gallery_chunk = int(gallery_chunk)
         self.distributed_split = bool(distributed_split)
+        self.progress = bool(progress)
         self.add_state("embeddings", default=[], dist_reduce_fx="cat")
         self.add_state("labels", default=[], dist_reduce_fx="cat")
         self.add_state("indices", default=[], dist_reduce_fx="cat")
@@ -160,6 +164,12 @@ class RetrievalMetrics(Metric):
 
     def compute(self) -> dict[str, float]:
         """All metrics as a ``dict[str, float]`` (values in [0, 1])."""
+        if self.progress:
+            with progress_bars():
+                return self._compute()
+        return self._compute()
+
+    def _compute(self) -> dict[str, float]:
         ps = self._gathered()
         world, rank = _dist_info(self.process_group)
         split = self.distributed_split and world > 1
