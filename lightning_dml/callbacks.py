@@ -94,7 +94,6 @@ class RetrievalComparison(pl.Callback):
             logger.log_metrics(
                 {f"comparison/{row.replace(' ', '_')}/{k}": v for row, vals in self.rows.items() for k, v in vals.items()}
             )
-        rank_zero_info("RetrievalComparison: done")
 
 
 class PeriodicCheckpoint(ModelCheckpoint):
