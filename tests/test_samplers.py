@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lightning_dml.data import BalancedClassSampler, EvalShardSampler, NPairSampler
+from lightning_dml.data.samplers import SeededBatch, batch_seed
 
 
 def _labels(num_classes: int = 20, per_class: int | list[int] = 6, seed: int = 0) -> np.ndarray:
@@ -102,7 +103,9 @@ def test_resume_skips_consumed_batches():
     assert state["epoch"] == 2
     resumed.load_state_dict(state)
     resumed.set_epoch(2)  # Lightning calls set_epoch again with the same epoch
-    assert list(resumed) == expected[3:]
+    rest = list(resumed)
+    assert rest == expected[3:]
+    assert [b.seed for b in rest] == [b.seed for b in expected[3:]]  # the same augmentation seeds
     assert list(resumed) == expected  # the skip applies once
     with pytest.raises(ValueError, match="seed"):
         BalancedClassSampler(labels, 4, 3, seed=2, num_replicas=2, rank=1).load_state_dict(state)
@@ -208,3 +211,20 @@ def test_lightning_reaches_set_epoch_through_the_data_loader():
         _set_sampler_epoch(loader, 3)
         assert sampler.epoch == 3
         assert [b.tolist() for b in loader] != first
+
+
+def test_batches_carry_augmentation_seeds_through_pickling():
+    import pickle
+
+    labels = _labels()
+    for sampler in (BalancedClassSampler(labels, 4, 3, augmentation_seed=3, num_replicas=1, rank=0),
+                    NPairSampler(labels, 4, augmentation_seed=3, num_replicas=1, rank=0)):
+        batches = list(sampler)
+        assert all(isinstance(b, SeededBatch) and isinstance(b, list) for b in batches)
+        assert [b.seed for b in batches] == [batch_seed(3, 0, step) for step in range(len(batches))]
+        copy = pickle.loads(pickle.dumps(batches[1]))  # as a DataLoader worker receives it
+        assert copy == batches[1] and copy.seed == batches[1].seed and type(copy) is SeededBatch
+    same = BalancedClassSampler(labels, 4, 3, augmentation_seed=3, num_replicas=1, rank=0)
+    other = BalancedClassSampler(labels, 4, 3, augmentation_seed=4, num_replicas=1, rank=0)
+    assert list(other) == list(same)  # the augmentation seed does not change the batches...
+    assert {b.seed for b in other}.isdisjoint(b.seed for b in same)  # ...only their seeds

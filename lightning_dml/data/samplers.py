@@ -10,6 +10,12 @@ DDP: the samplers are *batch* samplers that shard themselves (see :class:`Balanc
 automatic sampler replacement must be off for them (``Trainer(use_distributed_sampler=False)``; the data modules
 turn it off, see :class:`~lightning_dml.data.base.DMLDataModule`). Evaluation splits are sharded with
 :class:`EvalShardSampler`: every item is evaluated exactly once across processes, without padding.
+
+Random augmentation: every training batch is a :class:`SeededBatch`, a list of indices carrying the seed of its
+random augmentation, derived from ``(augmentation_seed, epoch, batch number)`` alone.
+:class:`~lightning_dml.data.resumable.ResumableDataLoader` seeds the generators with it while it loads the batch,
+so a batch's augmentation is the same whichever worker process (or the main process) loads it, and a resumed run
+draws exactly the augmentation of the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -37,6 +43,28 @@ def _distributed_context(num_replicas: int | None, rank: int | None) -> tuple[in
     return num_replicas, rank
 
 
+class SeededBatch(list):
+    """A batch of dataset indices (a ``list[int]``) with ``seed``, the seed of the batch's random augmentation.
+
+    A plain ``list`` subclass: it compares equal to the list of its indices and keeps ``seed`` through pickling
+    (DataLoader workers receive it so).
+    """
+
+    def __init__(self, indices: Sequence[int] = (), seed: int = 0) -> None:
+        super().__init__(indices)
+        self.seed = int(seed)
+
+    def __repr__(self) -> str:
+        return f"SeededBatch({list.__repr__(self)}, seed={self.seed})"
+
+
+def batch_seed(augmentation_seed: int, epoch: int, batch: int) -> int:
+    """The augmentation seed of global batch number ``batch`` of ``epoch``: a 63-bit hash of the three numbers
+    (``numpy.random.SeedSequence``), so that nearby epochs and batches get unrelated streams."""
+    words = np.random.SeedSequence([int(augmentation_seed) % 2**64, int(epoch), int(batch)]).generate_state(2)
+    return (int(words[0]) << 31) ^ int(words[1])
+
+
 class BalancedClassSampler(Sampler[list[int]]):
     """Batch sampler of ``classes_per_batch`` (P) classes x ``samples_per_class`` (K) items.
 
@@ -54,6 +82,10 @@ class BalancedClassSampler(Sampler[list[int]]):
     process's batches of that epoch already consumed); after loading, the next iteration of that epoch skips
     the consumed batches and yields exactly the ones an uninterrupted run would have yielded next.
 
+    Every batch is a :class:`SeededBatch` whose ``seed`` (see :func:`batch_seed`) depends only on
+    ``augmentation_seed``, the epoch and the batch's number in the global sequence (so it differs between
+    processes and batches), never on which worker loads it.
+
     Args:
         labels: class label of every item of the dataset (position = dataset index).
         classes_per_batch: P, distinct classes in each batch (at least 1, at most the number of classes).
@@ -61,6 +93,8 @@ class BalancedClassSampler(Sampler[list[int]]):
         seed: base seed; batches depend only on ``(seed, epoch)`` and the rank.
         num_replicas: number of processes; read from ``torch.distributed`` when ``None``.
         rank: this process's rank; read from ``torch.distributed`` when ``None``.
+        augmentation_seed: base of the batches' augmentation seeds; default ``torch.initial_seed()`` (the seed
+            given to ``seed_everything``). Saved by :meth:`state_dict`, so a resumed run keeps it.
     """
 
     def __init__(
@@ -71,6 +105,7 @@ class BalancedClassSampler(Sampler[list[int]]):
         seed: int = 0,
         num_replicas: int | None = None,
         rank: int | None = None,
+        augmentation_seed: int | None = None,
     ) -> None:
         labels = np.asarray(torch.as_tensor(labels).cpu().numpy())
         if labels.ndim != 1 or labels.size == 0:
@@ -95,6 +130,7 @@ class BalancedClassSampler(Sampler[list[int]]):
         self.seed = int(seed)
         self.num_replicas, self.rank = _distributed_context(num_replicas, rank)
         self.num_items = len(labels)
+        self.augmentation_seed = int(torch.initial_seed() if augmentation_seed is None else augmentation_seed)
         self.epoch = 0
         self._resume_epoch: int | None = None
         self._resume_batches = 0
@@ -138,7 +174,7 @@ class BalancedClassSampler(Sampler[list[int]]):
         while True:
             yield self._items(rng, self._next_classes(rng, queue))
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[SeededBatch]:
         skip = self._resume_batches if self._resume_epoch == self.epoch else 0
         self._resume_epoch, self._resume_batches = None, 0
         batches = self._global_batches()
@@ -148,21 +184,28 @@ class BalancedClassSampler(Sampler[list[int]]):
             if step % self.num_replicas == self.rank:
                 mine += 1
                 if mine > skip:
-                    yield batch
+                    yield SeededBatch(batch, batch_seed(self.augmentation_seed, self.epoch, step))
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, int]:
-        """``{"epoch", "position", "seed", "num_replicas"}``: ``position`` is the number of this process's batches of
-        ``epoch`` the next iteration skips (0 unless a state was loaded). The caller that knows how many batches
-        were consumed (the loop, or :class:`~lightning_dml.data.resumable.ResumableDataLoader`; the sampler itself
-        runs ahead of the loop in the DataLoader's prefetch) overwrites ``position`` when it saves."""
+        """``{"epoch", "position", "seed", "num_replicas", "augmentation_seed"}``: ``position`` is the number of this
+        process's batches of ``epoch`` the next iteration skips (0 unless a state was loaded). The caller that knows
+        how many batches were consumed (the loop, or :class:`~lightning_dml.data.resumable.ResumableDataLoader`; the
+        sampler itself runs ahead of the loop in the DataLoader's prefetch) overwrites ``position`` when it saves."""
         position = self._resume_batches if self._resume_epoch == self.epoch else 0
-        return {"epoch": self.epoch, "position": position, "seed": self.seed, "num_replicas": self.num_replicas}
+        return {
+            "epoch": self.epoch,
+            "position": position,
+            "seed": self.seed,
+            "num_replicas": self.num_replicas,
+            "augmentation_seed": self.augmentation_seed,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next iteration of ``state["epoch"]`` skips its first ``state["position"]`` batches and
         yields exactly the batches an uninterrupted run would have yielded next (nothing is loaded for the
-        skipped ones: batches depend only on seed, epoch and rank)."""
+        skipped ones: batches depend only on seed, epoch and rank). The saved ``augmentation_seed`` replaces this
+        sampler's (a resumed process may have been seeded differently; the run's augmentation continues)."""
         seed = int(state.get("seed", self.seed))
         replicas = int(state.get("num_replicas", self.num_replicas))
         if seed != self.seed or replicas != self.num_replicas:
@@ -174,6 +217,7 @@ class BalancedClassSampler(Sampler[list[int]]):
         if not 0 <= position <= len(self):
             raise ValueError(f"position must be in [0, {len(self)}] (batches per epoch), got {position}")
         self.epoch = int(state["epoch"])
+        self.augmentation_seed = int(state.get("augmentation_seed", self.augmentation_seed))
         self._resume_epoch = self.epoch
         self._resume_batches = position
 
@@ -188,14 +232,14 @@ class NPairSampler(BalancedClassSampler):
     violation score (SPEC 5.2, [I]); here a class is represented by the mean of its embeddings (L2-normalised) and
     a candidate's score is its largest cosine similarity to any chosen class; ties are broken at random. Class
     embeddings come from the model through :meth:`set_class_embeddings` (e.g. refreshed by
-    :class:`~lightning_dml.data.mining.ClassEmbeddingRefresh` every epoch). Until they are set, batches are drawn
+    :class:`~lightning_dml.callbacks.ClassEmbeddingRefresh` every epoch). Until they are set, batches are drawn
     without mining.
 
     Under DDP every process must receive the same class embeddings (the refresh callback all-gathers them), so
     that all processes derive the same global batch sequence and take disjoint batches of it.
 
     Args:
-        labels, seed, num_replicas, rank: as in :class:`BalancedClassSampler`.
+        labels, seed, num_replicas, rank, augmentation_seed: as in :class:`BalancedClassSampler`.
         classes_per_batch: N, the number of pairs per batch (batch size 2N).
         hard_class_mining: choose the classes greedily from the class embeddings.
         num_candidates: classes drawn at random per batch before the greedy selection (default ``4 * N``,
@@ -211,8 +255,9 @@ class NPairSampler(BalancedClassSampler):
         num_candidates: int | None = None,
         num_replicas: int | None = None,
         rank: int | None = None,
+        augmentation_seed: int | None = None,
     ) -> None:
-        super().__init__(labels, classes_per_batch, 2, seed, num_replicas, rank)
+        super().__init__(labels, classes_per_batch, 2, seed, num_replicas, rank, augmentation_seed)
         num_classes = len(self.classes)
         if num_candidates is None:
             num_candidates = min(num_classes, 4 * self.classes_per_batch)
@@ -306,4 +351,4 @@ class EvalShardSampler(DistributedSampler):
         return self.num_samples
 
 
-__all__ = ["BalancedClassSampler", "EvalShardSampler", "NPairSampler"]
+__all__ = ["BalancedClassSampler", "EvalShardSampler", "NPairSampler", "SeededBatch", "batch_seed"]
