@@ -10,22 +10,42 @@ validates every key, including the loss's own arguments::
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pytorch_lightning import Trainer
+from pytorch_lightning import Callback, Trainer
 from pytorch_lightning.callbacks import BasePredictionWriter, ModelCheckpoint
 from pytorch_lightning.cli import LightningCLI
 
-from lightning_dml.callbacks import PeriodicCheckpoint, PredictionWriter
+from lightning_dml.callbacks import PeriodicCheckpoint, PredictionWriter, ValidationSummary
 from lightning_dml.data.base import DMLDataModule
-from lightning_dml.data.input_spec import backbone_input_spec
+from lightning_dml.download import env_flag, set_offline
+from lightning_dml.errors import UserInputError
 from lightning_dml.module import DMLModule
+
+#: Trainer defaults of the ``lightning-dml`` command (a user's ``trainer_defaults`` to :class:`DMLCLI` adds to them)
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "logger": {
+        "class_path": "pytorch_lightning.loggers.WandbLogger",
+        "init_args": {"project": "lightning-dml", "offline": True, "save_dir": "logs"},
+    },
+    "num_sanity_val_steps": 0,
+    # P x K batches come from BalancedClassSampler, which shards them by rank itself; Lightning's
+    # DistributedSampler replacement would deal each process every world-size-th index instead.
+    "use_distributed_sampler": False,
+}
+
+
+def _as_list(callbacks: Any) -> list[Callback]:
+    if callbacks is None:
+        return []
+    return list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
 
 
 class DMLCLI(LightningCLI):
-    """LightningCLI with the library's defaults: W&B logging offline, no sanity validation on partial data, and
-    checkpoints a preempted run can resume from.
+    """LightningCLI with the library's defaults: W&B logging offline, no sanity validation on partial data,
+    checkpoints a preempted run can resume from, and the last validation metrics printed when ``fit`` ends.
 
     Checkpoints (both in ``<trainer.default_root_dir>/checkpoints`` unless ``--checkpoint.dirpath`` is given, so
     the same command plus ``--ckpt_path last`` resumes a run; give each run its own ``default_root_dir``):
@@ -39,15 +59,25 @@ class DMLCLI(LightningCLI):
 
     ``predict`` writes ``<log_dir>/predictions.pt`` (embeddings, labels, indices, image paths) with a
     :class:`~lightning_dml.callbacks.PredictionWriter`, unless ``--trainer.callbacks`` already has a prediction
-    writer.
+    writer. Every run has a :class:`~lightning_dml.callbacks.ValidationSummary` (given through Lightning's
+    ``trainer_defaults``), which prints the last validation metrics at the end of ``fit``.
+
+    Customised through LightningCLI's public hooks only: ``trainer_defaults``, ``add_arguments_to_parser`` (the
+    two checkpoint groups are parsed but not instantiated by jsonargparse) and ``instantiate_trainer``, which
+    builds the checkpoint callbacks from the parsed groups and hands them to ``LightningCLI.instantiate_trainer``
+    as ``callbacks`` with the user's. The saved ``config.yaml`` stays what the user gave.
     """
 
+    def __init__(self, *args: Any, trainer_defaults: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        defaults = {**TRAINER_DEFAULTS, **(trainer_defaults or {})}
+        defaults["callbacks"] = [*_as_list(defaults.get("callbacks")), ValidationSummary()]
+        super().__init__(*args, trainer_defaults=defaults, **kwargs)
+
     def add_arguments_to_parser(self, parser) -> None:
-        # the backbone's input convention (colour order, value scale, mean/std) sets the data module's preprocessing
-        parser.link_arguments(
-            "model", "data.init_args.input_spec", compute_fn=backbone_input_spec, apply_on="instantiate"
-        )
-        parser.add_lightning_class_args(ModelCheckpoint, "checkpoint")
+        # No link for data.init_args.input_spec: the data module reads the backbone's input convention at set-up
+        # (DMLDataModule.adopt_input_spec), and a link would silently replace an input_spec set in the config.
+        # parsed and validated, instantiated by instantiate_trainer (only when checkpointing is on)
+        parser.add_class_arguments(ModelCheckpoint, "checkpoint", instantiate=False, fail_untyped=False)
         parser.set_defaults(
             {
                 "checkpoint.monitor": "val/recall@1",
@@ -57,42 +87,30 @@ class DMLCLI(LightningCLI):
                 "checkpoint.filename": "best-{epoch}-{step}",
             }
         )
-        parser.add_lightning_class_args(PeriodicCheckpoint, "periodic_checkpoint")
-        parser.set_defaults(
-            {
-                "trainer.logger": {
-                    "class_path": "pytorch_lightning.loggers.WandbLogger",
-                    "init_args": {"project": "lightning-dml", "offline": True, "save_dir": "logs"},
-                },
-                "trainer.num_sanity_val_steps": 0,
-                # P x K batches come from BalancedClassSampler, which shards them by rank itself; Lightning's
-                # DistributedSampler replacement would deal each process every world-size-th index instead.
-                "trainer.use_distributed_sampler": False,
-            }
-        )
+        parser.add_class_arguments(PeriodicCheckpoint, "periodic_checkpoint", instantiate=False, fail_untyped=False)
+
+    def checkpoint_callbacks(self, trainer_config: dict[str, Any]) -> list[ModelCheckpoint]:
+        """The ``--checkpoint`` and ``--periodic_checkpoint`` callbacks, both saving to one folder (none when
+        ``enable_checkpointing`` is false)."""
+        if trainer_config.get("enable_checkpointing") is False:
+            return []
+        config = self.config_init.get(str(self.subcommand), self.config_init)
+        groups = {"checkpoint": ModelCheckpoint, "periodic_checkpoint": PeriodicCheckpoint}
+        init = {key: {**config[key]} for key in groups}
+        given = next((args["dirpath"] for args in init.values() if args.get("dirpath") is not None), None)
+        root = trainer_config.get("default_root_dir") or os.getcwd()
+        folder = given or os.path.realpath(os.path.join(os.path.expanduser(str(root)), "checkpoints"))
+        return [cls(**{**init[key], "dirpath": init[key].get("dirpath") or folder}) for key, cls in groups.items()]
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
-        """Add the checkpoint callbacks (unless checkpointing is off), saving to one predictable folder, and for
-        ``predict`` a :class:`~lightning_dml.callbacks.PredictionWriter` unless the user gave a prediction writer."""
-        trainer_config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
-        callbacks = [self._get(self.config_init, key) for key in self._parser(self.subcommand).callback_keys]
-        ours = [cb for cb in callbacks if isinstance(cb, ModelCheckpoint)]
-        if trainer_config.get("enable_checkpointing") is False:
-            callbacks = [cb for cb in callbacks if not any(cb is o for o in ours)]
-        else:
-            given = next((cb.dirpath for cb in ours if cb.dirpath is not None), None)
-            root = trainer_config.get("default_root_dir") or os.getcwd()
-            folder = given or os.path.realpath(os.path.join(os.path.expanduser(str(root)), "checkpoints"))
-            for cb in ours:
-                if cb.dirpath is None:
-                    cb.dirpath = folder
-        if self.subcommand == "predict":
-            given_callbacks = trainer_config.get("callbacks") or []
-            if not isinstance(given_callbacks, list):
-                given_callbacks = [given_callbacks]
-            if not any(isinstance(cb, BasePredictionWriter) for cb in [*given_callbacks, *callbacks]):
-                callbacks = [*callbacks, PredictionWriter()]
-        return self._instantiate_trainer(trainer_config, callbacks)
+        """The trainer with the user's callbacks, the checkpoint callbacks and, for ``predict``, a
+        :class:`~lightning_dml.callbacks.PredictionWriter` unless the user gave a prediction writer."""
+        config = self.config_init.get(str(self.subcommand), self.config_init)
+        trainer_config = {**config.get("trainer", {}), **kwargs}
+        callbacks = [*_as_list(trainer_config.get("callbacks")), *self.checkpoint_callbacks(trainer_config)]
+        if self.subcommand == "predict" and not any(isinstance(cb, BasePredictionWriter) for cb in callbacks):
+            callbacks.append(PredictionWriter())
+        return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
 
 
 def build_cli(args: Sequence[str] | None = None, run: bool = True) -> DMLCLI:
@@ -109,8 +127,31 @@ def build_cli(args: Sequence[str] | None = None, run: bool = True) -> DMLCLI:
 
 
 def main(args: Sequence[str] | None = None) -> None:
-    """Entry point of the ``lightning-dml`` console script."""
-    build_cli(args)
+    """Entry point of the ``lightning-dml`` console script (``args`` replaces ``sys.argv[1:]``).
+
+    Two switches of its own, anywhere on the command line: ``--offline`` forbids every download (as
+    ``LIGHTNING_DML_OFFLINE=1`` does; DDP processes inherit it), ``--debug`` shows the traceback of a user error.
+    A user error (:class:`~lightning_dml.errors.UserInputError`: a missing dataset or weights file, a failed or
+    refused download, a checksum mismatch, a corrupt file) prints ``lightning-dml: error: <message>`` on stderr
+    and exits with status 1, without traceback unless ``--debug`` or ``LIGHTNING_DML_DEBUG=1``. Every other
+    exception is a bug and keeps its traceback.
+    """
+    argv = list(sys.argv[1:] if args is None else args)
+    if "--offline" in argv:
+        set_offline(True)
+    if "--debug" in argv:
+        os.environ["LIGHTNING_DML_DEBUG"] = "1"  # inherited by the DDP processes Lightning starts
+    debug = env_flag("LIGHTNING_DML_DEBUG")
+    argv = [a for a in argv if a not in ("--offline", "--debug")]
+    if args is None:
+        sys.argv[1:] = argv  # Lightning's DDP launcher restarts the command from sys.argv
+    try:
+        build_cli(None if args is None else argv)
+    except UserInputError as error:
+        if debug:
+            raise
+        print(f"lightning-dml: error: {error}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 __all__ = ["DMLCLI", "build_cli", "main"]

@@ -65,13 +65,18 @@ def test_console_script_is_installed():
     assert script.exists(), "pip install -e . should install the lightning-dml console script"
 
 
-def test_fit_validate_test_predict_run_end_to_end(tmp_path, monkeypatch):
+def test_fit_validate_test_predict_run_end_to_end(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     cli = build_cli(["fit", "--config", str(GLYPHS), *FAST, "--trainer.callbacks=[]"])
     logged = cli.trainer.callback_metrics
     for key in ("val/recall@1", "val/recall@8", "val/map@r", "train/loss"):
         assert key in logged
     assert 0.0 <= float(logged["val/recall@1"]) <= 1.0
+    # the end of fit shows the last validation metrics (the CLI's ValidationSummary), once
+    out = capsys.readouterr().out
+    assert out.count("Last validation") == 1
+    row = next(line.split() for line in out.splitlines() if line.startswith("recall@1 "))
+    assert float(row[1]) == pytest.approx(100 * float(logged["val/recall@1"]), abs=0.05)
     for command in ("validate", "test", "predict"):
         cli = build_cli([command, "--config", str(GLYPHS), *FAST, "--trainer.callbacks=[]"])
         if command == "test":
@@ -88,8 +93,9 @@ def test_loss_by_registry_name(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_demo_training_beats_raw_pixels_and_the_untrained_network(tmp_path, monkeypatch):
-    """The acceptance of the demo, at half its epochs: trained beats both baselines by 10+ points."""
+def test_demo_training_beats_raw_pixels_and_the_untrained_network(tmp_path, monkeypatch, capsys):
+    """The acceptance of the demo, at half its epochs: trained beats both baselines by 10+ points; the demo prints
+    one table (the comparison, not also the validation summary)."""
     monkeypatch.chdir(tmp_path)
     cli = build_cli(
         [
@@ -105,3 +111,5 @@ def test_demo_training_beats_raw_pixels_and_the_untrained_network(tmp_path, monk
         assert trained >= rows["raw pixels"][metric] + 0.10, rows
         assert trained >= rows["untrained network"][metric] + 0.10, rows
     assert (tmp_path / cli.trainer.log_dir / "retrieval_comparison.txt").exists()
+    out = capsys.readouterr().out
+    assert out.count("Retrieval on the test classes") == 1 and "Last validation" not in out

@@ -6,8 +6,8 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 
+from lightning_dml.callbacks import ClassEmbeddingRefresh
 from lightning_dml.data import DMLDataModule, NPairSampler, TensorImageDataset
-from lightning_dml.data.mining import ClassEmbeddingRefresh
 from lightning_dml.module import DMLModule
 
 
@@ -26,6 +26,16 @@ class _Flat(nn.Module):
         return x.flatten(1)
 
 
+def expected_class_embeddings(model: nn.Module, train, indices, classes: torch.Tensor) -> torch.Tensor:
+    """The normalised per-class means of the model's (eval-mode, float64) embeddings of ``train[indices]``."""
+    model.eval()
+    with torch.no_grad():
+        emb = model(torch.stack([train[int(i)][0] for i in indices])).double()
+    labels = train.labels[torch.as_tensor(indices)]
+    means = torch.stack([emb[labels == c].mean(0) for c in classes.tolist()])
+    return torch.nn.functional.normalize(means, dim=1)
+
+
 def test_refresh_gives_the_sampler_the_models_class_means(tmp_path):
     dm = _Synthetic(classes_per_batch=4, samples_per_class=2, sampler="npair", hard_class_mining=True, eval_batch_size=7)
     model = DMLModule(_Flat(), loss="contrastive", embedding_dim=5, optimizer=lambda p: torch.optim.SGD(p, lr=0.0))
@@ -38,14 +48,8 @@ def test_refresh_gives_the_sampler_the_models_class_means(tmp_path):
     sampler = dm.train_sampler
     assert isinstance(sampler, NPairSampler) and sampler.class_embeddings is not None
     indices = refresh.last_indices
-    train = dm.train_dataset
     assert len(indices) == 2 * len(sampler.classes)
-    model.eval()
-    with torch.no_grad():
-        emb = model(torch.stack([train[int(i)][0] for i in indices])).double()
-    labels = train.labels[torch.as_tensor(indices)]
-    expected = torch.stack([emb[labels == c].mean(0) for c in sampler.classes.tolist()])
-    expected = torch.nn.functional.normalize(expected, dim=1)
+    expected = expected_class_embeddings(model, dm.train_dataset, indices, sampler.classes)
     torch.testing.assert_close(sampler.class_embeddings, expected, rtol=1e-5, atol=1e-6)
 
 

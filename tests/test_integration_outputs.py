@@ -123,6 +123,22 @@ def test_cli_predict_writes_the_predictions_file(tmp_path, tmp_path_factory, mon
     assert data["paths"] is None
 
 
+def test_cli_predict_keeps_the_users_writer_and_its_config(tmp_path, tmp_path_factory, monkeypatch):
+    glyph_cache.install(tmp_path_factory.getbasetemp() / glyph_cache.FILENAME)
+    monkeypatch.chdir(tmp_path)
+    mine = str(tmp_path / "mine.pt")
+    args = ["predict", "--config", str(GLYPHS), *FAST, "--trainer.limit_predict_batches=1", "--trainer.callbacks=[]",
+            "--trainer.callbacks+=lightning_dml.callbacks.PredictionWriter", f"--trainer.callbacks.output_path={mine}"]
+    cli = build_cli(args)
+    writers = [cb for cb in cli.trainer.callbacks if isinstance(cb, PredictionWriter)]
+    assert [w.output_path for w in writers] == [mine]  # no second, default writer
+    assert load_predictions(mine)["embeddings"].shape[1] == 16
+    # the callbacks the CLI adds (checkpoints, summary) stay out of the config the run saves: a rerun from the
+    # saved config.yaml must not add them twice
+    saved = cli.config["predict"].trainer.callbacks
+    assert [c.class_path for c in saved] == ["lightning_dml.callbacks.PredictionWriter"]
+
+
 # ---------------------------------------------------------------------------------------------- retrieval grid
 def _tile_origin(r: int, c: int, tile_h: int, tile_w: int, gap: int) -> tuple[int, int]:
     return gap + r * (tile_h + gap), gap + c * (tile_w + gap) + (2 * gap if c > 0 else 0)

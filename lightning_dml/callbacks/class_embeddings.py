@@ -4,8 +4,9 @@
 of every ``every_n_epochs``-th epoch and hands the per-class means to the data module's
 :class:`~lightning_dml.data.samplers.NPairSampler`, which then builds each batch greedily from classes whose
 embeddings are close (the paper: "pick a large number of classes C, embed one or two examples of each").
-Under DDP each process embeds a shard of the images and the shards are all-gathered, so every process gives
-its sampler the same embeddings and all processes derive the same global batch sequence.
+Under DDP each process embeds a shard of the images and the shards are all-gathered
+(:func:`lightning_dml.distributed.all_gather_uneven`), so every process gives its sampler the same embeddings
+and all processes derive the same global batch sequence.
 """
 
 from __future__ import annotations
@@ -15,8 +16,12 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_dml.callbacks.embedding import embed_loader
 from lightning_dml.data.image_list import collate_skipping
 from lightning_dml.data.samplers import EvalShardSampler, NPairSampler
+from lightning_dml.distributed import all_gather_uneven
+
+__all__ = ["ClassEmbeddingRefresh"]
 
 
 class ClassEmbeddingRefresh(pl.Callback):
@@ -54,7 +59,6 @@ class ClassEmbeddingRefresh(pl.Callback):
         ]
         return np.sort(np.concatenate(chosen))
 
-    @torch.no_grad()
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         datamodule = trainer.datamodule
         sampler = getattr(datamodule, "train_sampler", None)
@@ -67,39 +71,10 @@ class ClassEmbeddingRefresh(pl.Callback):
         view = datamodule.make_eval_view(datamodule.train_dataset, indices)
         shard = EvalShardSampler(view, trainer.world_size, trainer.global_rank)
         loader = DataLoader(view, batch_size=self.batch_size, sampler=shard, collate_fn=collate_skipping)
-        was_training = pl_module.training
-        pl_module.eval()
-        try:
-            rows, positions = [], []
-            for batch in loader:
-                rows.append(pl_module(batch[0].to(pl_module.device)).float())
-                positions.append(batch[2].to(pl_module.device))
-        finally:
-            pl_module.train(was_training)
-        embeddings = torch.cat(rows) if rows else torch.zeros(0, 1, device=pl_module.device)
-        position = torch.cat(positions) if positions else torch.zeros(0, dtype=torch.long, device=pl_module.device)
-        if trainer.world_size > 1:
-            embeddings, position = _gather_uneven(trainer, embeddings, position)
+        embeddings, rest = embed_loader(pl_module, loader, pl_module.device)
+        position = rest[1].to(embeddings.device) if rest else torch.zeros(0, dtype=torch.long, device=embeddings.device)
+        emb_parts, pos_parts = all_gather_uneven(embeddings, position)
+        embeddings, position = torch.cat(emb_parts), torch.cat(pos_parts)
         order = torch.argsort(position)
         labels = view.labels[position[order].cpu()]
         sampler.set_class_embeddings(embeddings[order].cpu(), labels)
-
-
-def _gather_uneven(trainer: pl.Trainer, embeddings: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gather per-process rows of different lengths (pad to the longest, drop the padding)."""
-    count = torch.tensor([embeddings.shape[0]], device=embeddings.device)
-    counts = trainer.strategy.all_gather(count).flatten().tolist()
-    longest = max(counts)
-    pad = longest - embeddings.shape[0]
-    embeddings = torch.cat([embeddings, embeddings.new_zeros(pad, embeddings.shape[1])])
-    position = torch.cat([position, position.new_full((pad,), -1)])
-    all_embeddings = trainer.strategy.all_gather(embeddings)
-    all_positions = trainer.strategy.all_gather(position)
-    keep = [slice(0, n) for n in counts]
-    return (
-        torch.cat([all_embeddings[r][keep[r]] for r in range(len(counts))]),
-        torch.cat([all_positions[r][keep[r]] for r in range(len(counts))]),
-    )
-
-
-__all__ = ["ClassEmbeddingRefresh"]

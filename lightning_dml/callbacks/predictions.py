@@ -1,0 +1,122 @@
+"""``PredictionWriter``: the one predictions file ``lightning-dml predict`` writes, and :func:`load_predictions`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import BasePredictionWriter
+from pytorch_lightning.utilities import rank_zero_info
+
+from lightning_dml.distributed import all_gather_object
+
+__all__ = ["PredictionWriter", "load_predictions"]
+
+
+def _merge_predictions(outputs: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Concatenate ``predict_step`` outputs (CPU) into one ``embeddings``/``labels``/``indices`` dict."""
+    merged: dict[str, list[torch.Tensor]] = {"embeddings": [], "labels": [], "indices": []}
+    for out in outputs:
+        if "indices" not in out:
+            raise ValueError(
+                "PredictionWriter needs the dataset index of every item: predict_step must return 'indices' "
+                "(DMLModule does when the batch is (image, label, index, ...), as every data module yields)"
+            )
+        for key in merged:
+            merged[key].append(torch.as_tensor(out[key]).detach().cpu())
+    if not merged["indices"]:
+        empty = torch.empty(0, dtype=torch.long)
+        return {"embeddings": torch.empty(0, 0), "labels": empty, "indices": empty}
+    return {k: torch.cat(v) for k, v in merged.items()}
+
+
+def _sorted_unique(merged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The items sorted by index, each index once (the first occurrence)."""
+    indices = merged["indices"].long()
+    order = torch.sort(indices, stable=True).indices
+    sorted_indices = indices[order]
+    keep = torch.ones_like(sorted_indices, dtype=torch.bool)
+    keep[1:] = sorted_indices[1:] != sorted_indices[:-1]
+    order = order[keep]
+    return {
+        "embeddings": merged["embeddings"][order].float(),
+        "labels": merged["labels"][order].long(),
+        "indices": indices[order],
+    }
+
+
+class PredictionWriter(BasePredictionWriter):
+    """Write everything ``predict`` computed into ONE file, loadable with :func:`load_predictions`.
+
+    The file (``torch.save``) holds a dict:
+
+    * ``embeddings``: float32 ``[N, D]`` raw embeddings (``DMLModule.forward``; L2-normalise for cosine search),
+    * ``labels``: int64 ``[N]``, ``indices``: int64 ``[N]`` (position of the item in the predicted dataset; sorted,
+      each once),
+    * ``paths``: ``list[str]`` of the image file of each item when the predicted dataset has ``paths`` (the file
+      data modules: CUB-200, Cars196, SOP, In-Shop, image folders and lists), else ``None`` (in-memory datasets such
+      as Glyphs, whose ``labels`` index ``GlyphsDataModule.class_names``, one character per class).
+
+    Under DDP every process sends its items (on CPU) to the others
+    (:func:`lightning_dml.distributed.all_gather_object`); rank 0 drops duplicate indices and writes the single
+    file. ``lightning-dml predict`` adds one writing ``<log_dir>/predictions.pt``. Only one predict dataloader is
+    supported.
+
+    Args:
+        output_path: the file; ``<trainer.log_dir or default_root_dir>/predictions.pt`` when ``None``.
+    """
+
+    def __init__(self, output_path: str | None = None) -> None:
+        super().__init__(write_interval="epoch")
+        self.output_path = output_path
+        self.written_path: Path | None = None
+
+    def resolve_path(self, trainer: pl.Trainer) -> Path:
+        """Where the file goes for this trainer (call it on every process: ``trainer.log_dir`` is a collective)."""
+        if self.output_path is not None:
+            return Path(self.output_path)
+        return Path(trainer.log_dir or trainer.default_root_dir) / "predictions.pt"
+
+    @staticmethod
+    def _dataset(trainer: pl.Trainer) -> Any:
+        loaders = trainer.predict_dataloaders
+        if isinstance(loaders, (list, tuple)):
+            loaders = loaders[0] if len(loaders) == 1 else None
+        return getattr(loaders, "dataset", None)
+
+    def write_on_epoch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, predictions: Sequence[Any], batch_indices: Sequence[Any]
+    ) -> None:
+        if predictions and isinstance(predictions[0], list):  # one list per dataloader
+            if len(predictions) != 1:
+                raise ValueError(f"PredictionWriter supports one predict dataloader, got {len(predictions)}")
+            predictions = predictions[0]
+        merged = _merge_predictions(predictions)  # an empty shard (more processes than items) still gathers
+        parts = [p for p in all_gather_object(merged) if p["indices"].numel() > 0]
+        merged = {k: torch.cat([p[k] for p in parts]) for k in merged} if parts else merged
+        path = self.resolve_path(trainer)  # on every process
+        if not trainer.is_global_zero:
+            return
+        result: dict[str, Any] = _sorted_unique(merged)
+        dataset = self._dataset(trainer)
+        paths = getattr(dataset, "paths", None)
+        result["paths"] = None if paths is None else [str(paths[i]) for i in result["indices"].tolist()]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(result, path)
+        self.written_path = path
+        rank_zero_info(f"PredictionWriter: {len(result['indices'])} embeddings written to {path}")
+
+
+def load_predictions(path: str | Path) -> dict[str, Any]:
+    """Load a :class:`PredictionWriter` file: ``{"embeddings", "labels", "indices", "paths"}`` (see there)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"no predictions file at {path} (lightning-dml predict writes <log_dir>/predictions.pt)")
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    missing = {"embeddings", "labels", "indices", "paths"} - set(data)
+    if missing:
+        raise ValueError(f"{path} is not a predictions file: missing {sorted(missing)}")
+    return data
