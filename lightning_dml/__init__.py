@@ -5,11 +5,19 @@ Pair losses (``lightning_dml.losses``), miners (``lightning_dml.miners``), data 
 (``lightning_dml.metrics``), the :class:`DMLModule` that ties them together and the ``lightning-dml`` CLI.
 """
 
+import os
 from typing import Any
+
+from lightning_dml.download import is_offline
+from lightning_dml.errors import UserInputError
 
 __version__ = "0.1.0"
 
-__all__ = ["DMLModule", "__version__"]
+__all__ = ["DMLModule", "UserInputError", "__version__"]
+
+# LIGHTNING_DML_OFFLINE=1 forbids every download; Hugging Face Hub (timm's weights) reads its own switch on import
+if is_offline():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def __getattr__(name: str) -> Any:

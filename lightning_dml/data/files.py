@@ -1,7 +1,7 @@
 """The base of the data modules that read a benchmark's image files from disk.
 
-Nothing is downloaded: each data module reads the official on-disk layout of its dataset (see
-``docs/datasets.md``). ``root`` may be the folder that holds the dataset's top folder or that top folder itself.
+Each data module reads the official on-disk layout of its dataset (see ``docs/datasets.md``); with
+``download=True`` it first fetches and unpacks the official archive into ``root`` (``prepare_data``). ``root`` may be the folder that holds the dataset's top folder or that top folder itself.
 What is found is checked against the papers' counts (SPEC 1.1): a different count is a warning naming the
 difference, a missing list file or image is an error naming it and describing the expected layout.
 """
@@ -18,12 +18,15 @@ import torch
 from pytorch_lightning.utilities import rank_zero_warn
 
 from lightning_dml.data.base import DMLDataModule
+from lightning_dml.data.resources import dataset_resource
+from lightning_dml.download import fetch_dataset
+from lightning_dml.errors import MissingFileError, UserInputError
 from lightning_dml.data.image_list import ImageListDataset
-from lightning_dml.data.input_spec import TORCHVISION_IMAGENET, InputSpec
+from lightning_dml.models.input_spec import TORCHVISION_IMAGENET, InputSpec
 from lightning_dml.data.transforms import default_resize_size, eval_transform, train_transform
 
 
-class DatasetLayoutError(FileNotFoundError):
+class DatasetLayoutError(MissingFileError):
     """A dataset folder does not have the expected layout (a list file or image is missing)."""
 
 
@@ -90,26 +93,33 @@ class ImageFilesDataModule(DMLDataModule):
 
     Images go through the paper-standard transforms (:mod:`lightning_dml.data.transforms`): training: random
     resized crop ``image_size`` + horizontal flip; test: resize ``resize_size`` + centre crop ``image_size``;
-    both end with the conversion to ``input_spec`` (colour order, value scale, mean/std of the backbone, linked
-    from ``model.backbone.input_spec`` by the CLI).
+    both end with the conversion to ``input_spec`` (colour order, value scale, mean/std of the backbone, read from
+    ``model.backbone.input_spec`` at set-up unless given, see :class:`DMLDataModule`).
 
     Args:
         root: the folder holding the dataset's top folder, or that top folder itself.
         classes_per_batch: P. samples_per_class: K (batch size P * K).
         num_workers: DataLoader worker processes.
         image_size: side of the crop the network sees; default ``input_spec.crop_size`` (224).
-        input_spec: the backbone's input convention (default torchvision's ImageNet RGB, [0, 1], mean/std).
+        input_spec: the input convention; default the backbone's (see :class:`DMLDataModule`), and without a
+            model torchvision's ImageNet convention (RGB, [0, 1], ImageNet mean/std).
         resize_size: test-time shorter-side resize; default 256 for crops 224-256, else scaled with the crop.
         crop_scale: area range of the training random resized crop (torchvision's default (0.08, 1)).
         eval_batch_size, seed, sampler, hard_class_mining, val_classes_fraction: see :class:`DMLDataModule`.
         on_corrupt: ``"error"``: an unreadable image raises an error naming the file; ``"skip"``: warn and skip.
         check_counts: compare the numbers of images (and classes) with the papers' and warn on a difference.
         check_files: check at setup that every listed image exists (an error names the missing ones).
+        download: in ``prepare_data`` (once per node, under a file lock), download the dataset's official archive
+            (:data:`~lightning_dml.data.resources.RESOURCES`), verify it and unpack it into ``root`` unless the
+            dataset is already there; datasets without an automatic download raise an error naming the files to
+            place. Off by default.
     """
 
     dataset_name: str = "dataset"
     layout: str = ""
     expected_counts: dict[str, int] = {}
+    #: key of the dataset's entry in :data:`~lightning_dml.data.resources.RESOURCES` (``None``: not downloadable)
+    resource_name: str | None = None
 
     def __init__(
         self,
@@ -129,15 +139,12 @@ class ImageFilesDataModule(DMLDataModule):
         on_corrupt: str = "error",
         check_counts: bool = True,
         check_files: bool = True,
+        download: bool = False,
     ) -> None:
         super().__init__(
             classes_per_batch, samples_per_class, eval_batch_size, num_workers, seed, sampler, hard_class_mining,
-            val_classes_fraction,
+            val_classes_fraction, input_spec,
         )
-        if input_spec is None:
-            input_spec = TORCHVISION_IMAGENET
-        if not isinstance(input_spec, InputSpec):
-            raise TypeError(f"input_spec must be an InputSpec, got {type(input_spec).__name__}")
         if on_corrupt not in ("error", "skip"):
             raise ValueError(f"on_corrupt must be 'error' or 'skip', got {on_corrupt!r}")
         if image_size is not None and image_size < 8:
@@ -145,31 +152,73 @@ class ImageFilesDataModule(DMLDataModule):
         low, high = crop_scale
         if not 0 < low <= high <= 1:
             raise ValueError(f"crop_scale must satisfy 0 < low <= high <= 1, got {tuple(crop_scale)}")
+        if image_size is not None and resize_size is not None and resize_size < image_size:
+            raise ValueError(f"resize_size ({resize_size}) must be at least image_size ({image_size})")
         self.root = Path(root).expanduser()
-        self.input_spec = input_spec
-        self.image_size = int(image_size) if image_size is not None else input_spec.crop_size
-        self.resize_size = int(resize_size) if resize_size is not None else default_resize_size(self.image_size, input_spec)
-        if self.resize_size < self.image_size:
-            raise ValueError(f"resize_size ({self.resize_size}) must be at least image_size ({self.image_size})")
+        # None: derived from the input spec, which may be the backbone's (known at set-up)
+        self.given_image_size = None if image_size is None else int(image_size)
+        self.given_resize_size = None if resize_size is None else int(resize_size)
         self.crop_scale = (float(low), float(high))
         self.on_corrupt = on_corrupt
         self.check_counts = check_counts
         self.check_files = check_files
+        self.download = download
         self.top: Path | None = None
         self.count_warnings: list[str] = []
 
     # ------------------------------------------------------------------ transforms
     @property
+    def spec(self) -> InputSpec:
+        """The input convention in use: ``input_spec``, or torchvision's ImageNet convention while none is set."""
+        return self.input_spec if self.input_spec is not None else TORCHVISION_IMAGENET
+
+    @property
+    def image_size(self) -> int:
+        """Side of the crop the network sees: the given ``image_size``, else the input spec's ``crop_size``."""
+        return self.given_image_size if self.given_image_size is not None else self.spec.crop_size
+
+    @property
+    def resize_size(self) -> int:
+        """Test-time shorter side: the given ``resize_size``, else scaled from the input spec's."""
+        if self.given_resize_size is not None:
+            return self.given_resize_size
+        return default_resize_size(self.image_size, self.spec)
+
+    @property
     def mode(self) -> str:
-        return "L" if self.input_spec.color == "L" else "RGB"
+        return "L" if self.spec.color == "L" else "RGB"
 
     @property
     def train_transform(self):
-        return train_transform(self.input_spec, self.image_size, self.crop_scale)
+        return train_transform(self.spec, self.image_size, self.crop_scale)
 
     @property
     def eval_transform(self):
-        return eval_transform(self.input_spec, self.image_size, self.resize_size)
+        return eval_transform(self.spec, self.image_size, self.resize_size)
+
+    # ------------------------------------------------------------------ download
+    def is_present(self) -> bool:
+        """Whether the dataset's top folder is found under ``root`` (the layout checks run in ``setup``)."""
+        try:
+            self.find_top()
+        except DatasetLayoutError:
+            return False
+        return True
+
+    def prepare_data(self) -> None:
+        """With ``download=True``: fetch, verify and unpack the dataset into ``root`` unless it is there.
+
+        Lightning calls this on one process per node; the file lock in ``root`` makes nodes sharing a file system
+        download once. The other processes wait at Lightning's barrier before ``setup``.
+        """
+        if not self.download:
+            return
+        if self.resource_name is None:
+            raise UserInputError(
+                f"{type(self).__name__} has no public archive to download: set download: false and place the "
+                f"files under {self.root}. Expected layout:\n{self.layout}"
+            )
+        fetch_dataset(dataset_resource(self.resource_name), self.root, self.is_present, self.layout)
 
     # ------------------------------------------------------------------ reading
     def find_top(self) -> Path:
@@ -202,7 +251,15 @@ class ImageFilesDataModule(DMLDataModule):
             rank_zero_warn(message, category=UserWarning)
 
     def build_datasets(self) -> tuple[ImageListDataset, ImageListDataset]:
-        top = self.find_top()
+        try:
+            top = self.find_top()
+        except DatasetLayoutError as error:
+            resource = dataset_resource(self.resource_name) if self.resource_name and not self.download else None
+            if resource is None or not resource.archives:
+                raise
+            raise DatasetLayoutError(
+                f"{error}\nOr set download: true (--data.init_args.download true) to download it from {resource.page}."
+            ) from None
         self.top = top
         splits = self.read_splits(top)
         for name in ("train", "test"):

@@ -40,6 +40,7 @@ class InShopDataModule(ImageFilesDataModule):
 
     dataset_name = "In-Shop"
     layout = INSHOP_LAYOUT
+    resource_name = "inshop"
     expected_counts = {"train": 25882, "query": 14218, "gallery": 12612, "train classes": 3997, "test classes": 3985}
 
     def find_top(self) -> Path:

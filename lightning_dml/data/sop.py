@@ -35,6 +35,7 @@ class SOPDataModule(ImageFilesDataModule):
 
     dataset_name = "Stanford Online Products"
     layout = SOP_LAYOUT
+    resource_name = "sop"
     expected_counts = {"train": 59551, "test": 60502, "train classes": 11318, "test classes": 11316}
 
     def find_top(self) -> Path:
