@@ -30,7 +30,8 @@ from PIL import Image
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from lightning_dml.data import BNINCEPTION, TORCHVISION_IMAGENET, CUB200DataModule  # noqa: E402
+from lightning_dml.data import CUB200DataModule  # noqa: E402
+from lightning_dml.models import BNINCEPTION, TORCHVISION_IMAGENET  # noqa: E402
 
 
 def _texture(rng: np.random.Generator, width: int, height: int) -> np.ndarray:

@@ -183,6 +183,7 @@ def export_checkpoint(
         raise ValueError(f"{ckpt_path} is not a Lightning checkpoint (no `state_dict`)")
     cli.model.load_state_dict(checkpoint["state_dict"])
     datamodule = cli.datamodule
+    datamodule.adopt_input_spec(cli.model)  # no trainer sets it up here: feed the backbone's input convention
     datamodule.setup("test")
     images = next(iter(datamodule.test_dataloader()))[0][:batch_size]
     return export_embedding_model(cli.model, directory, images, formats)

@@ -15,10 +15,12 @@ from lightning_dml.data import (
     Cars196DataModule,
     CUB200DataModule,
     DatasetLayoutError,
+    DMLDataModule,
     ImageFolderDataModule,
     InShopDataModule,
     SOPDataModule,
 )
+from lightning_dml.models import InputSpec
 from tests.fixtures_data import (
     BOX_COLOR,
     class_color,
@@ -310,3 +312,35 @@ def test_training_batches_are_pk_and_eval_covers_the_split(trees):
         assert torch.equal(labels, dm.train_dataset.labels[indices])
     seen = torch.cat([batch[2] for batch in dm.val_dataloader()])
     assert seen.tolist() == list(range(len(dm.test_dataset)))
+
+
+# ----------------------------------------------------------------------------------------- one signature
+@pytest.mark.parametrize(
+    "cls, key, own",
+    [
+        (CUB200DataModule, "cub", {"crop_to_box": True}),
+        (Cars196DataModule, "cars_annos", {"crop_to_box": True}),
+        (ImageFolderDataModule, "folder", {"csv_file": "list.csv"}),
+    ],
+    ids=["cub", "cars", "folder"],
+)
+def test_file_data_modules_take_the_base_signature(trees, cls, key, own):
+    """CUB, Cars and image folders restate none of ImageFilesDataModule's parameters: positional and keyword
+    arguments reach the base in its order, and the CLI's parser sees them next to the module's own."""
+    from jsonargparse import ArgumentParser
+
+    spec = InputSpec(color="BGR", scale=255.0, mean=(1.0, 2.0, 3.0), std=(1.0, 1.0, 1.0), crop_size=16, resize_size=20)
+    dm = cls(trees[key], 3, 2, 0, 12, spec, resize_size=18, seed=7, val_classes_fraction=0.25, **own)
+    got = (dm.root, dm.classes_per_batch, dm.samples_per_class, dm.num_workers, dm.image_size, dm.input_spec)
+    assert got == (Path(trees[key]), 3, 2, 0, 12, spec)
+    assert (dm.resize_size, dm.seed, dm.val_classes_fraction) == (18, 7, 0.25)
+    assert all(getattr(dm, name) == value for name, value in own.items())
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(DMLDataModule, "data")
+    args = [f"--data={cls.__module__}.{cls.__name__}", f"--data.init_args.root={trees[key]}"]
+    args += ["--data.init_args.eval_batch_size=8", "--data.init_args.input_spec={\"color\": \"BGR\", \"scale\": 255.0, "
+             "\"mean\": [1.0, 2.0, 3.0], \"std\": [1.0, 1.0, 1.0], \"crop_size\": 16, \"resize_size\": 20}"]
+    args += [f"--data.init_args.{name}={value}" for name, value in own.items()]
+    built = parser.instantiate(parser.parse_args(args)).data
+    assert type(built) is cls and built.eval_batch_size == 8 and built.input_spec == spec
+    assert all(getattr(built, name) == value for name, value in own.items())

@@ -136,3 +136,28 @@ def test_export_a_checkpoint_from_its_config(tmp_path, tmp_path_factory):
     images = torch.randn(3, 1, 16, 16)
     with torch.no_grad():
         torch.testing.assert_close(load_embedding_model(paths["torchscript"])(images), module(images))
+
+
+def test_export_feeds_the_backbone_its_input_convention(tmp_path):
+    """No trainer sets the data module up during export: it still reads the backbone's input convention, so a
+    grey-input backbone gets grey example images from an RGB dataset (not torchvision's 3-channel default)."""
+    from tests.fixtures_data import make_sop
+
+    top = make_sop(tmp_path / "sop", train_classes=4, test_classes=4, images_per_class=2)
+    config = {
+        "model": {
+            "backbone": {"class_path": "lightning_dml.models.SmallConvNet", "init_args": {"in_channels": 1, "width": 4}},
+            "embedding_dim": 8,
+            "clustering": False,
+        },
+        "data": {
+            "class_path": "lightning_dml.data.SOPDataModule",
+            "init_args": {"root": str(top), "num_workers": 0, "image_size": 16, "classes_per_batch": 2},
+        },
+    }
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    torch.save({"state_dict": DMLModule(SmallConvNet(in_channels=1, width=4), embedding_dim=8).state_dict()},
+               tmp_path / "last.ckpt")
+    with pytest.warns(UserWarning, match="differs from the copy the papers use"):
+        paths = export_checkpoint(tmp_path / "config.yaml", tmp_path / "last.ckpt", tmp_path / "out", ["state_dict"])
+    assert torch.load(paths["state_dict"], weights_only=True)["input_shape"] == [1, 16, 16]

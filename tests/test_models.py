@@ -14,9 +14,10 @@ import torch.nn.functional as F
 import torchvision
 from torch import nn
 
-from lightning_dml.data.input_spec import BNINCEPTION, TORCHVISION_IMAGENET
 from lightning_dml.models import (
     BACKBONES,
+    BNINCEPTION,
+    TORCHVISION_IMAGENET,
     BNInception,
     GlobalPool,
     GoogLeNet,
@@ -101,6 +102,24 @@ def test_input_specs():
         assert cls(pretrained=False).input_spec == TORCHVISION_IMAGENET
     assert SmallConvNet(in_channels=1).input_spec.color == "L"
     assert SmallConvNet(in_channels=3).input_spec.color == "RGB"
+
+
+def test_models_package_does_not_import_the_data_package():
+    """A backbone declares its input convention (lightning_dml.models.input_spec); the data package reads it, never
+    the other way round. A fresh interpreter importing lightning_dml.models loads no lightning_dml.data module."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, lightning_dml.models, lightning_dml.models.input_spec; "
+        "print(sorted(m for m in sys.modules if m.startswith('lightning_dml.data')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    # the data package re-exports the same objects for existing imports
+    from lightning_dml import data, models
+
+    assert data.InputSpec is models.InputSpec and data.BNINCEPTION is models.BNINCEPTION
 
 
 # ----------------------------------------------------------------------------------------- weights

@@ -8,18 +8,19 @@ from lightning_dml.data.folder import ImageFolderDataModule
 from lightning_dml.data.glyphs import GlyphsDataModule
 from lightning_dml.data.image_list import CorruptImageError, ImageListDataset
 from lightning_dml.data.inshop import InShopDataModule
-from lightning_dml.data.mining import ClassEmbeddingRefresh
-from lightning_dml.data.input_spec import BNINCEPTION, TORCHVISION_IMAGENET, InputSpec
 from lightning_dml.data.samplers import BalancedClassSampler, EvalShardSampler, NPairSampler
+from lightning_dml.data.resources import RESOURCES
 from lightning_dml.data.sop import SOPDataModule
 from lightning_dml.data.transforms import ToInputSpec, eval_transform, train_transform
+
+# the input convention belongs to the backbones (lightning_dml.models); re-exported for existing imports
+from lightning_dml.models.input_spec import BNINCEPTION, TORCHVISION_IMAGENET, InputSpec
 
 __all__ = [
     "BNINCEPTION",
     "TORCHVISION_IMAGENET",
     "BalancedClassSampler",
     "CUB200DataModule",
-    "ClassEmbeddingRefresh",
     "Cars196DataModule",
     "CorruptImageError",
     "DMLDataModule",
@@ -32,6 +33,7 @@ __all__ = [
     "InShopDataModule",
     "InputSpec",
     "NPairSampler",
+    "RESOURCES",
     "SOPDataModule",
     "TensorImageDataset",
     "ToInputSpec",

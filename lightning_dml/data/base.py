@@ -9,11 +9,13 @@ import numpy as np
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities import rank_zero_info
+from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_dml.data.image_list import collate_skipping
 from lightning_dml.data.resumable import ResumableDataLoader
 from lightning_dml.data.samplers import BalancedClassSampler, EvalShardSampler, NPairSampler
+from lightning_dml.models.input_spec import InputSpec, InputSpecMismatchError, backbone_input_spec
 
 
 def split_eval_batch(batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
@@ -56,9 +58,13 @@ class DMLDataModule(pl.LightningDataModule):
         seed: seed of the training sampler (batches depend on seed, epoch and rank) and of the validation split.
         sampler: ``"balanced"`` (P x K) or ``"npair"`` (N x 2, ``samples_per_class`` must be 2).
         hard_class_mining: with ``sampler="npair"``, the N-pair paper's hard negative class mining (needs class
-            embeddings, see :class:`~lightning_dml.data.mining.ClassEmbeddingRefresh`).
+            embeddings, see :class:`~lightning_dml.callbacks.ClassEmbeddingRefresh`).
         val_classes_fraction: fraction of the training classes held out as the validation split (0: validate on
             the test split, as the papers do).
+        input_spec: the input convention the images are converted to (colour order, value scale, mean/std, crop
+            size). ``None`` (the default): the backbone's (``model.backbone.input_spec``), read when a trainer sets
+            the data module up (:meth:`adopt_input_spec`); without a model, the data module's own default. A given
+            ``input_spec`` that differs from the backbone's is an error naming both, never silently replaced.
     """
 
     def __init__(
@@ -71,6 +77,7 @@ class DMLDataModule(pl.LightningDataModule):
         sampler: str = "balanced",
         hard_class_mining: bool = False,
         val_classes_fraction: float = 0.0,
+        input_spec: InputSpec | None = None,
     ) -> None:
         super().__init__()
         if classes_per_batch < 1 or samples_per_class < 1:
@@ -87,6 +94,8 @@ class DMLDataModule(pl.LightningDataModule):
             raise ValueError("hard_class_mining is the N-pair paper's class mining: it needs sampler='npair'")
         if not 0.0 <= val_classes_fraction < 1.0:
             raise ValueError(f"val_classes_fraction must be in [0, 1), got {val_classes_fraction}")
+        if input_spec is not None and not isinstance(input_spec, InputSpec):
+            raise TypeError(f"input_spec must be an InputSpec or None, got {type(input_spec).__name__}")
         self.classes_per_batch = classes_per_batch
         self.samples_per_class = samples_per_class
         self.eval_batch_size = eval_batch_size
@@ -95,6 +104,7 @@ class DMLDataModule(pl.LightningDataModule):
         self.sampler = sampler
         self.hard_class_mining = hard_class_mining
         self.val_classes_fraction = val_classes_fraction
+        self.input_spec = input_spec
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
@@ -110,6 +120,19 @@ class DMLDataModule(pl.LightningDataModule):
     def test_as_val(self) -> bool:
         """Whether validation runs on the test split (the papers' protocol) rather than held-out train classes."""
         return self.val_classes_fraction == 0.0
+
+    @property
+    def train_class_ids(self) -> torch.Tensor:
+        """The distinct labels of the training split, sorted: the classes trained on, after any validation
+        hold-out (builds the datasets if needed). A proxy loss's class ``i`` is ``train_class_ids[i]``."""
+        if self.train_dataset is None:
+            self.setup("fit")
+        return torch.unique(torch.as_tensor(self.train_dataset.labels))
+
+    @property
+    def num_train_classes(self) -> int:
+        """The number of classes trained on (after any validation hold-out): the ``num_classes`` of a proxy loss."""
+        return int(self.train_class_ids.numel())
 
     def build_datasets(self) -> tuple[Dataset, Dataset]:
         """Return ``(train_dataset, test_dataset)``; implemented by every concrete data module."""
@@ -142,8 +165,33 @@ class DMLDataModule(pl.LightningDataModule):
             raise TypeError(f"{type(train).__name__} has no subset(): val_classes_fraction is not supported")
         return train.subset(train_idx, getattr(train, "transform", None), False), self.make_eval_view(train, val_idx)
 
+    def adopt_input_spec(self, model: nn.Module) -> None:
+        """Take the input convention of ``model``'s backbone (``model.backbone.input_spec``) when no
+        ``input_spec`` is set; a set one that differs is an :class:`~lightning_dml.models.InputSpecMismatchError`
+        (a ``ValueError``, printed without traceback by the CLI) naming both. A backbone that declares none
+        changes nothing.
+
+        :meth:`setup` calls it with the trainer's model; code that sets the data module up without a trainer
+        (export) calls it first. Adopting a spec drops datasets built before (by a set-up without a model, with the
+        default conversion), so they are rebuilt with the backbone's.
+        """
+        spec = backbone_input_spec(model)
+        if spec is None or spec == self.input_spec:
+            return
+        if self.input_spec is not None:
+            backbone = type(getattr(model, "backbone", model)).__name__
+            raise InputSpecMismatchError(
+                f"{type(self).__name__}: input_spec {self.input_spec} disagrees with {backbone}'s input_spec "
+                f"{spec}. Leave the data module's input_spec unset to use the backbone's, or use a backbone that "
+                "expects this input."
+            )
+        self.input_spec = spec
+        self.train_dataset = self.val_dataset = self.test_dataset = None
+
     def setup(self, stage: str | None = None) -> None:
         self._turn_off_distributed_sampler_replacement()
+        if self.trainer is not None and self.trainer.lightning_module is not None:
+            self.adopt_input_spec(self.trainer.lightning_module)
         if self.train_dataset is None or self.test_dataset is None:
             train, test = self.build_datasets()
             if self.val_classes_fraction > 0:

@@ -14,11 +14,11 @@ Classes 1-98 (8,054 images) train, classes 99-196 (8,131 images) test (SPEC 1.1)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from lightning_dml.data.files import DatasetLayoutError, ImageFilesDataModule, SplitFiles, find_top_folder, require_file
-from lightning_dml.data.input_spec import InputSpec
 
 CARS_LAYOUT = """\
   either  <root>/cars_annos.mat + <root>/car_ims/000001.jpg ...
@@ -58,28 +58,20 @@ class Cars196DataModule(ImageFilesDataModule):
     """Cars196: classes 1-98 train, 99-196 test (zero-shot), from either official layout.
 
     Args:
-        root: the folder holding the Cars files (``cars_annos.mat`` or ``devkit/``), or its parent.
+        *args, **kwargs: see :class:`~lightning_dml.data.files.ImageFilesDataModule` (``root``: the folder
+            holding the Cars files, ``cars_annos.mat`` or ``devkit/``, or its parent).
         crop_to_box: crop each image to its bounding box before the transforms.
-        **kwargs: see :class:`~lightning_dml.data.files.ImageFilesDataModule`.
     """
 
     dataset_name = "Cars196"
     layout = CARS_LAYOUT
+    resource_name = "cars196"
     expected_counts = {"train": 8054, "test": 8131, "train classes": 98, "test classes": 98}
-    num_train_classes = 98
+    #: classes 1..last_train_class train, the rest test
+    last_train_class = 98
 
-    def __init__(
-        self,
-        root: str,
-        classes_per_batch: int = 16,
-        samples_per_class: int = 4,
-        num_workers: int = 4,
-        image_size: int | None = None,
-        input_spec: InputSpec | None = None,
-        crop_to_box: bool = False,
-        **kwargs,
-    ) -> None:
-        super().__init__(root, classes_per_batch, samples_per_class, num_workers, image_size, input_spec, **kwargs)
+    def __init__(self, *args: Any, crop_to_box: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.crop_to_box = crop_to_box
         self.layout_found: str | None = None
 
@@ -123,7 +115,7 @@ class Cars196DataModule(ImageFilesDataModule):
             self.layout_found = "devkit"
             paths, labels, boxes = self._read_devkit_layout(top)
         out = {}
-        for split, keep in (("train", labels <= self.num_train_classes), ("test", labels > self.num_train_classes)):
+        for split, keep in (("train", labels <= self.last_train_class), ("test", labels > self.last_train_class)):
             idx = np.flatnonzero(keep)
             out[split] = SplitFiles([paths[i] for i in idx], labels[idx], boxes[idx] if self.crop_to_box else None)
         return out

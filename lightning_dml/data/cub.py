@@ -8,6 +8,7 @@ Classes 1-100 (5,864 images) train, classes 101-200 (5,924 images) test (SPEC 1.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -18,7 +19,6 @@ from lightning_dml.data.files import (
     read_whitespace_table,
     require_file,
 )
-from lightning_dml.data.input_spec import InputSpec
 
 CUB_LAYOUT = """\
   <root>/CUB_200_2011/          (or root pointing at this folder)
@@ -33,30 +33,21 @@ class CUB200DataModule(ImageFilesDataModule):
     """CUB-200-2011: classes 1-100 train, 101-200 test (zero-shot); optional bounding-box crops.
 
     Args:
-        root: folder holding ``CUB_200_2011/`` or that folder itself.
+        *args, **kwargs: see :class:`~lightning_dml.data.files.ImageFilesDataModule` (``root``: the folder
+            holding ``CUB_200_2011/`` or that folder itself; ``classes_per_batch``, ``samples_per_class``,
+            ``num_workers``, ``image_size``, ``input_spec``, ...).
         crop_to_box: crop each image to its bounding box before the transforms.
-        **kwargs: see :class:`~lightning_dml.data.files.ImageFilesDataModule` (``classes_per_batch``,
-            ``samples_per_class``, ``num_workers``, ``image_size``, ``input_spec``, ...).
     """
 
     dataset_name = "CUB-200-2011"
     layout = CUB_LAYOUT
+    resource_name = "cub200"
     expected_counts = {"train": 5864, "test": 5924, "train classes": 100, "test classes": 100}
-    #: classes 1..num_train_classes train, the rest test
-    num_train_classes = 100
+    #: classes 1..last_train_class train, the rest test
+    last_train_class = 100
 
-    def __init__(
-        self,
-        root: str,
-        classes_per_batch: int = 16,
-        samples_per_class: int = 4,
-        num_workers: int = 4,
-        image_size: int | None = None,
-        input_spec: InputSpec | None = None,
-        crop_to_box: bool = False,
-        **kwargs,
-    ) -> None:
-        super().__init__(root, classes_per_batch, samples_per_class, num_workers, image_size, input_spec, **kwargs)
+    def __init__(self, *args: Any, crop_to_box: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.crop_to_box = crop_to_box
 
     def find_top(self) -> Path:
@@ -75,7 +66,7 @@ class CUB200DataModule(ImageFilesDataModule):
             if image_id not in labels:
                 raise ValueError(f"{name}: image id {image_id} ({relative}) has no line in image_class_labels.txt")
             label = int(labels[image_id])
-            part = split["train" if label <= self.num_train_classes else "test"]
+            part = split["train" if label <= self.last_train_class else "test"]
             part["paths"].append(top / "images" / relative)
             part["labels"].append(label)
             if self.crop_to_box:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import csv
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from pytorch_lightning.utilities import rank_zero_warn
 
 from lightning_dml.data.files import DatasetLayoutError, ImageFilesDataModule, SplitFiles
-from lightning_dml.data.input_spec import InputSpec
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
@@ -33,27 +33,17 @@ class ImageFolderDataModule(ImageFilesDataModule):
     label). Image extensions recognised in folders: ``IMAGE_EXTENSIONS`` (case-insensitive).
 
     Args:
-        root: the folder with ``train/`` and ``test/``, or a CSV file.
+        *args, **kwargs: see :class:`~lightning_dml.data.files.ImageFilesDataModule` (``root``: the folder with
+            ``train/`` and ``test/``, or a CSV file).
         csv_file: a CSV file (relative to ``root`` or absolute); overrides the folder layout.
-        **kwargs: see :class:`~lightning_dml.data.files.ImageFilesDataModule`.
     """
 
     dataset_name = "image folder"
     layout = FOLDER_LAYOUT
     expected_counts: dict[str, int] = {}
 
-    def __init__(
-        self,
-        root: str,
-        classes_per_batch: int = 16,
-        samples_per_class: int = 4,
-        num_workers: int = 4,
-        image_size: int | None = None,
-        input_spec: InputSpec | None = None,
-        csv_file: str | None = None,
-        **kwargs,
-    ) -> None:
-        super().__init__(root, classes_per_batch, samples_per_class, num_workers, image_size, input_spec, **kwargs)
+    def __init__(self, *args: Any, csv_file: str | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.csv_file = csv_file
         self.class_names: list[str] = []
 

@@ -25,7 +25,7 @@ import torch
 from PIL import Image, ImageChops, ImageDraw, ImageFilter, ImageFont
 
 from lightning_dml.data.base import DMLDataModule, TensorImageDataset
-from lightning_dml.data.input_spec import InputSpec
+from lightning_dml.models.input_spec import InputSpec
 
 #: Characters in class order: an earlier character wins when two render alike.
 CHARACTERS: str = (
@@ -203,9 +203,10 @@ class GlyphsDataModule(DMLDataModule):
         mean: value subtracted from the [0, 1] pixels.
         std: divisor applied after subtracting ``mean``.
         classes_per_batch, samples_per_class, eval_batch_size, num_workers: see :class:`DMLDataModule`.
-        input_spec: the backbone's input convention (linked from ``model.backbone.input_spec`` by the CLI). When
-            given it replaces ``channels``, ``mean`` and ``std``: the grey glyph is repeated to the spec's channels
-            and converted to its value scale and per-channel mean/std. ``image_size`` stays the rendering size.
+        input_spec: the input convention; default the backbone's, read at set-up (see :class:`DMLDataModule`).
+            When set it replaces ``channels``, ``mean`` and ``std``: the grey glyph is repeated to the spec's
+            channels and converted to its value scale and per-channel mean/std. ``image_size`` stays the rendering
+            size.
     """
 
     def __init__(
@@ -222,17 +223,13 @@ class GlyphsDataModule(DMLDataModule):
         num_workers: int = 0,
         input_spec: InputSpec | None = None,
     ) -> None:
-        super().__init__(classes_per_batch, samples_per_class, eval_batch_size, num_workers, seed)
+        super().__init__(classes_per_batch, samples_per_class, eval_batch_size, num_workers, seed, input_spec=input_spec)
         if not 0.0 < train_fraction < 1.0:
             raise ValueError(f"train_fraction must be in (0, 1), got {train_fraction}")
         if channels not in (1, 3):
             raise ValueError(f"channels must be 1 or 3, got {channels}")
         if image_size < 8:
             raise ValueError(f"image_size must be at least 8, got {image_size}")
-        if input_spec is not None:
-            channels, mean, std = input_spec.channels, input_spec.mean, input_spec.std
-        self.input_spec = input_spec
-        self.scale = 1.0 if input_spec is None else input_spec.scale
         self.image_size = image_size
         self.train_fraction = train_fraction
         self.channels = channels
@@ -244,7 +241,11 @@ class GlyphsDataModule(DMLDataModule):
 
     def build_datasets(self) -> tuple[TensorImageDataset, TensorImageDataset]:
         images, labels, self.class_names, _ = render_glyphs(self.image_size, self.seed)
-        if self.channels == 3:
+        spec = self.input_spec  # the backbone's convention (or a given one) replaces channels, mean and std
+        channels, mean, std, scale = (
+            (self.channels, self.mean, self.std, 1.0) if spec is None else (spec.channels, spec.mean, spec.std, spec.scale)
+        )
+        if channels == 3:
             images = images.expand(-1, 3, -1, -1).contiguous()
         num_classes = len(self.class_names)
         order = torch.randperm(num_classes, generator=torch.Generator().manual_seed(self.seed))
@@ -255,6 +256,6 @@ class GlyphsDataModule(DMLDataModule):
         self.test_classes = [c for c, t in zip(self.class_names, is_train_class.tolist()) if not t]
         train = is_train_class[labels]
         return (
-            TensorImageDataset(images[train], labels[train], self.mean, self.std, self.scale),
-            TensorImageDataset(images[~train], labels[~train], self.mean, self.std, self.scale),
+            TensorImageDataset(images[train], labels[train], mean, std, scale),
+            TensorImageDataset(images[~train], labels[~train], mean, std, scale),
         )

@@ -2,7 +2,8 @@
 
 Training: random resized crop to ``crop_size`` (224 in the MS, GPW-L and TML papers, 227 in RLL and the MS code)
 and a random horizontal flip. Test: resize the shorter side to ``resize_size`` (256) and take the centre
-``crop_size`` crop. Both end with :class:`ToInputSpec`, which turns the uint8 RGB (or grey) image into the
+``crop_size`` crop. Both resample with the spec's ``interpolation`` (bilinear by default; bicubic for most timm
+weights). Both end with :class:`ToInputSpec`, which turns the uint8 RGB (or grey) image into the
 tensor the backbone expects: channel order (RGB, or BGR for Caffe models such as BN-Inception), value scale (1 or
 255) and per-channel mean/std.
 """
@@ -14,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torchvision import transforms as T
 
-from lightning_dml.data.input_spec import InputSpec
+from lightning_dml.models.input_spec import InputSpec
 
 
 class ToInputSpec:
@@ -46,6 +47,11 @@ class ToInputSpec:
         return f"{type(self).__name__}({self.spec})"
 
 
+def _interpolation(spec: InputSpec) -> T.InterpolationMode:
+    """torchvision's resampling mode for the spec's ``interpolation`` (bilinear, bicubic or nearest)."""
+    return T.InterpolationMode(spec.interpolation)
+
+
 def default_resize_size(crop_size: int, spec: InputSpec) -> int:
     """The test-time resize for ``crop_size``: the spec's (256) when the crop lies between the spec's crop and
     resize sizes (224 or 227 -> 256, as in the papers), otherwise the spec's ratio (256/224) times the crop."""
@@ -61,7 +67,7 @@ def train_transform(
     crop = spec.crop_size if crop_size is None else int(crop_size)
     return T.Compose(
         [
-            T.RandomResizedCrop(crop, scale=tuple(crop_scale), antialias=True),
+            T.RandomResizedCrop(crop, scale=tuple(crop_scale), interpolation=_interpolation(spec), antialias=True),
             T.RandomHorizontalFlip(),
             T.PILToTensor(),
             ToInputSpec(spec),
@@ -75,7 +81,8 @@ def eval_transform(spec: InputSpec, crop_size: int | None = None, resize_size: i
     resize = default_resize_size(crop, spec) if resize_size is None else int(resize_size)
     if resize < crop:
         raise ValueError(f"resize_size ({resize}) must be at least the crop size ({crop})")
-    return T.Compose([T.Resize(resize, antialias=True), T.CenterCrop(crop), T.PILToTensor(), ToInputSpec(spec)])
+    resize_op = T.Resize(resize, interpolation=_interpolation(spec), antialias=True)
+    return T.Compose([resize_op, T.CenterCrop(crop), T.PILToTensor(), ToInputSpec(spec)])
 
 
 __all__ = ["ToInputSpec", "default_resize_size", "eval_transform", "train_transform"]

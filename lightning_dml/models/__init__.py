@@ -1,7 +1,7 @@
-"""Backbones and embedding heads.
+"""Backbones, embedding heads and the input convention (:class:`InputSpec`) a backbone declares.
 
 Backbones by class path (``lightning_dml.models.BNInception``) or by name (``build_backbone("bninception")``,
-names in :data:`BACKBONES`).
+names in :data:`BACKBONES`); any timm model: ``lightning_dml.models.TimmBackbone`` or ``build_backbone("timm:<name>")``.
 """
 
 from lightning_dml.models.backbones import (
@@ -16,17 +16,33 @@ from lightning_dml.models.backbones import (
     build_backbone,
 )
 from lightning_dml.models.heads import LinearEmbedding, MultiLevelEmbedding
+from lightning_dml.models.input_spec import (
+    BNINCEPTION,
+    TORCHVISION_IMAGENET,
+    InputSpec,
+    InputSpecMismatchError,
+    backbone_input_spec,
+)
+from lightning_dml.models.timm_backbone import TimmBackbone
+from lightning_dml.models.weights import WEIGHTS
 
 __all__ = [
     "BACKBONES",
+    "BNINCEPTION",
     "BNInception",
     "Backbone",
     "GlobalPool",
     "GoogLeNet",
+    "InputSpec",
+    "InputSpecMismatchError",
     "LinearEmbedding",
     "MultiLevelEmbedding",
     "ResNet101",
     "ResNet50",
     "SmallConvNet",
+    "TORCHVISION_IMAGENET",
+    "TimmBackbone",
+    "WEIGHTS",
+    "backbone_input_spec",
     "build_backbone",
 ]

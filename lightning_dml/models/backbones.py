@@ -6,14 +6,15 @@ Every backbone is a :class:`Backbone`:
 * ``forward_levels(images)`` returns the pooled outputs of three stages, low to high (BN-Inception:
   inception-3c / 4e / 5b, the RLL "L, M, H" levels and GPW's multi-level fusion; ResNet: stages 2 / 3 / 4;
   GoogLeNet: inception-3b / 4e / 5b), with widths ``level_features`` and names ``level_names``;
-* ``input_spec`` is the :class:`~lightning_dml.data.input_spec.InputSpec` its weights expect (the data module
+* ``input_spec`` is the :class:`~lightning_dml.models.input_spec.InputSpec` its weights expect (the data module
   consumes it: colour order, value scale, mean, std).
 
 Backbones are built by class path (``lightning_dml.models.BNInception``) or by name through the small registry
-:data:`BACKBONES` / :func:`build_backbone`. Pretrained weights are never downloaded: they are read from the
-standard local caches (``$TORCH_HOME/hub/checkpoints/<file name of the weights URL>``, the files torchvision and
-``pretrainedmodels`` download) or an explicit ``weights_path``; a missing file raises :class:`FileNotFoundError`
-saying which file is needed and where to put it.
+:data:`BACKBONES` / :func:`build_backbone`. Pretrained weights are read from an explicit ``weights_path`` or
+the standard cache (``$TORCH_HOME/hub/checkpoints/<file name>``, the files torchvision and ``pretrainedmodels``
+download); a missing cache file is downloaded on first use from :data:`~lightning_dml.models.weights.WEIGHTS`
+(verified, under a file lock). Offline (``LIGHTNING_DML_OFFLINE=1``), a missing file raises
+:class:`~lightning_dml.errors.OfflineError` (a ``FileNotFoundError``) saying which file is needed and where.
 """
 
 from __future__ import annotations
@@ -26,7 +27,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from lightning_dml.data.input_spec import BNINCEPTION, TORCHVISION_IMAGENET, InputSpec
+from lightning_dml.download import fetch_weights
+from lightning_dml.errors import CorruptFileError, MissingFileError
+from lightning_dml.models.input_spec import BNINCEPTION, TORCHVISION_IMAGENET, InputSpec
+from lightning_dml.models.weights import WEIGHTS, weights_entry
 
 Pooling = Literal["avg", "max", "avgmax"]
 
@@ -42,12 +46,13 @@ __all__ = [
     "ResNet50",
     "SmallConvNet",
     "build_backbone",
+    "check_levels",
     "load_state_dict_file",
     "torch_hub_checkpoint_dir",
 ]
 
 #: where ``pretrainedmodels`` downloads BN-Inception from; the cache file is this URL's base name
-BNINCEPTION_URL = "http://data.lip6.fr/cadene/pretrainedmodels/bn_inception-52deb4733.pth"
+BNINCEPTION_URL = WEIGHTS["bninception"].url
 
 
 class GlobalPool(nn.Module):
@@ -79,28 +84,35 @@ def load_state_dict_file(weights_path: str | os.PathLike, what: str, hint: str) 
     """Load a state dict from ``weights_path``, or explain which file is missing and where it goes."""
     path = Path(weights_path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(
+        raise MissingFileError(
             f"pretrained weights for {what} not found: {path} does not exist. {hint} "
             "Or set pretrained: false to start from random weights."
         )
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001 - truncated or foreign files fail in many ways; name the file
+        raise CorruptFileError(
+            f"pretrained weights for {what}: cannot read {path} ({type(error).__name__}: {error}). The file is "
+            f"truncated or not a PyTorch weights file: delete it (a cached file is then downloaded again). {hint}"
+        ) from error
     if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
         state = state["state_dict"]
     if not isinstance(state, dict):
-        raise ValueError(f"{path} does not hold a state dict (a mapping of parameter names to tensors)")
+        raise CorruptFileError(f"{path} does not hold a state dict (a mapping of parameter names to tensors)")
     return state
 
 
-def _cached_weights(url: str, weights_path: str | os.PathLike | None, what: str) -> dict[str, torch.Tensor]:
-    """The state dict at ``weights_path``, or in the torch hub cache under the URL's base name."""
-    filename = os.path.basename(url)
+def _cached_weights(name: str, weights_path: str | os.PathLike | None) -> dict[str, torch.Tensor]:
+    """The state dict at ``weights_path``, or ``WEIGHTS[name]`` in the torch hub cache, downloaded when missing."""
+    if weights_path is not None:
+        return load_state_dict_file(weights_path, name, "Check weights_path.")
+    remote = weights_entry(name)
     cache = torch_hub_checkpoint_dir()
-    path = Path(weights_path) if weights_path is not None else cache / filename
     hint = (
-        f"Copy {filename} (download it from {url} on a machine with internet access) to {cache} "
-        "(set TORCH_HOME to move that folder) or pass weights_path."
+        f"Copy {remote.file_name} (from {remote.url}) to {cache} (set TORCH_HOME to move that folder), or pass "
+        "weights_path, or set pretrained: false to start from random weights."
     )
-    return load_state_dict_file(path, what, hint)
+    return load_state_dict_file(fetch_weights(remote, cache, name, hint), name, hint)
 
 
 class Backbone(nn.Module):
@@ -210,7 +222,6 @@ class _TorchvisionResNet(_StagedBackbone):
     """torchvision ResNet without its classifier; levels: stages 2, 3 and 4 (``layer2``, ``layer3``, ``layer4``)."""
 
     _builder: str
-    _weights: str
 
     def __init__(self, pretrained: bool = True, weights_path: str | None = None, pooling: Pooling = "avg") -> None:
         super().__init__(pooling)
@@ -218,8 +229,7 @@ class _TorchvisionResNet(_StagedBackbone):
 
         model = getattr(tvm, self._builder)(weights=None)
         if pretrained:
-            weights = getattr(tvm, self._weights).IMAGENET1K_V1
-            model.load_state_dict(_cached_weights(weights.url, weights_path, self._builder))
+            model.load_state_dict(_cached_weights(self._builder, weights_path))
         stem = nn.Sequential(model.conv1, model.bn1, model.relu, model.maxpool, model.layer1, model.layer2)
         self.stages = nn.ModuleList([stem, model.layer3, model.layer4])
         self.level_features = (512, 1024, 2048)
@@ -231,7 +241,7 @@ class _TorchvisionResNet(_StagedBackbone):
 class ResNet50(_TorchvisionResNet):
     """torchvision ResNet-50 (the tuplet margin paper's backbone; the modern baseline).
 
-    Input: RGB in [0, 1], ImageNet mean/std (:data:`~lightning_dml.data.input_spec.TORCHVISION_IMAGENET`).
+    Input: RGB in [0, 1], ImageNet mean/std (:data:`~lightning_dml.models.input_spec.TORCHVISION_IMAGENET`).
 
     Args:
         pretrained: load the ImageNet weights (``IMAGENET1K_V1``) from ``weights_path`` or torchvision's cache
@@ -240,7 +250,7 @@ class ResNet50(_TorchvisionResNet):
         pooling: global pooling mode.
     """
 
-    _builder, _weights = "resnet50", "ResNet50_Weights"
+    _builder = "resnet50"
 
 
 class ResNet101(_TorchvisionResNet):
@@ -253,7 +263,7 @@ class ResNet101(_TorchvisionResNet):
         pooling: global pooling mode.
     """
 
-    _builder, _weights = "resnet101", "ResNet101_Weights"
+    _builder = "resnet101"
 
 
 class GoogLeNet(_StagedBackbone):
@@ -272,14 +282,12 @@ class GoogLeNet(_StagedBackbone):
 
     def __init__(self, pretrained: bool = True, weights_path: str | None = None, pooling: Pooling = "avg") -> None:
         super().__init__(pooling)
-        from torchvision.models import GoogLeNet_Weights
         from torchvision.models import GoogLeNet as TVGoogLeNet
 
         # the released state dict includes the auxiliary classifiers: build them to load it, then drop them
         model = TVGoogLeNet(aux_logits=True, transform_input=True, init_weights=not pretrained)
         if pretrained:
-            url = GoogLeNet_Weights.IMAGENET1K_V1.url
-            model.load_state_dict(_cached_weights(url, weights_path, "googlenet"))
+            model.load_state_dict(_cached_weights("googlenet", weights_path))
         m = model
         self.stages = nn.ModuleList(
             [
@@ -308,7 +316,7 @@ class BNInception(Backbone):
     Levels: inception-3c (576 channels), inception-4e (1056), inception-5b (1024): the outputs RLL attaches its
     "L", "M" and "H" embeddings to (RLL Sec. 4.4) and GPW's multi-level fusion ("v2", GPW Sec. IV) uses.
     Input: the Caffe convention of the converted weights, BGR in [0, 255] minus mean [104, 117, 128]
-    (:data:`~lightning_dml.data.input_spec.BNINCEPTION`).
+    (:data:`~lightning_dml.models.input_spec.BNINCEPTION`).
 
     Args:
         pretrained: load the ImageNet weights from ``weights_path`` or the torch hub cache
@@ -324,7 +332,7 @@ class BNInception(Backbone):
 
         net = _BNInception(num_classes=1000)
         if pretrained:
-            state = _cached_weights(BNINCEPTION_URL, weights_path, "bninception")
+            state = _cached_weights("bninception", weights_path)
             expected = net.state_dict()
             state = {
                 k: v.reshape(expected[k].shape) if k in expected and v.numel() == expected[k].numel() else v
@@ -376,13 +384,19 @@ BACKBONES: dict[str, type[Backbone]] = {
 
 
 def build_backbone(name: str, **kwargs: Any) -> Backbone:
-    """Build a backbone by registry name, e.g. ``build_backbone("resnet50", pretrained=False, pooling="max")``."""
+    """Build a backbone by registry name, e.g. ``build_backbone("resnet50", pretrained=False, pooling="max")``,
+    or any timm model as ``"timm:<name>"``, e.g. ``build_backbone("timm:vit_small_patch16_224.dino")``
+    (:class:`~lightning_dml.models.timm_backbone.TimmBackbone`)."""
+    if name.startswith("timm:"):
+        from lightning_dml.models.timm_backbone import TimmBackbone
+
+        return TimmBackbone(name[len("timm:") :], **kwargs)
     if name not in BACKBONES:
         raise ValueError(f"unknown backbone {name!r}; valid names: {', '.join(sorted(BACKBONES))}")
     return BACKBONES[name](**kwargs)
 
 
-def _check_levels(backbone: nn.Module) -> Sequence[int]:
+def check_levels(backbone: nn.Module) -> Sequence[int]:
     """The level widths of a backbone that supports multi-level features, or a ValueError saying it does not."""
     if not hasattr(backbone, "forward_levels") or not hasattr(backbone, "level_features"):
         raise ValueError(

@@ -35,9 +35,9 @@ P, K, STEPS = 3, 2, 4
 def main() -> None:
     import pytorch_lightning as pl
 
-    from lightning_dml.data import BalancedClassSampler, InShopDataModule, InputSpec
+    from lightning_dml.data import BalancedClassSampler, InShopDataModule
     from lightning_dml.metrics import RetrievalMetrics
-    from lightning_dml.models import SmallConvNet
+    from lightning_dml.models import InputSpec, SmallConvNet
     from lightning_dml.module import DMLModule
     from tests.fixtures_data import make_inshop
 
@@ -73,11 +73,14 @@ def main() -> None:
             values = self._log_metrics(self.val_metrics, "val")
             self.val_recall = float(values["recall@1"])
 
-    spec = InputSpec(color="RGB", mean=(0.5,) * 3, std=(0.25,) * 3, crop_size=16, resize_size=18)
+    backbone = SmallConvNet(in_channels=3, width=4)
+    spec = InputSpec(color="RGB", mean=(0.1,) * 3, std=(0.25,) * 3, crop_size=32, resize_size=32)
+    assert spec == backbone.input_spec  # a given input_spec must agree with the backbone's
     dm = InShopDataModule(
-        top, classes_per_batch=P, samples_per_class=K, num_workers=0, image_size=16, input_spec=spec, eval_batch_size=8
+        top, classes_per_batch=P, samples_per_class=K, num_workers=0, image_size=16, resize_size=18, input_spec=spec,
+        eval_batch_size=8,
     )
-    model = Recorder(SmallConvNet(in_channels=3, width=4), loss="contrastive", embedding_dim=8, clustering=False)
+    model = Recorder(backbone, loss="contrastive", embedding_dim=8, clustering=False)
     trainer = pl.Trainer(
         strategy="ddp",
         accelerator="cpu",
