@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,13 +13,19 @@ from torch import nn
 
 from lightning_dml.checks import check_fit_combination, check_training_batch
 from lightning_dml.losses import build_loss
-from lightning_dml.data.base import split_eval_batch
-from lightning_dml.metrics import RetrievalMetrics
-from lightning_dml.metrics._progress import progress_bars
-from lightning_dml.models.backbones import _check_levels
+from lightning_dml.metrics import RetrievalMetrics, progress_bars
+from lightning_dml.models.backbones import check_levels
 from lightning_dml.models.heads import LinearEmbedding, MultiLevelEmbedding
 
 _FUSION = ("none", "concat", "per_level")
+
+#: the evaluation metrics shown on the progress bar (all of them are logged)
+PROGRESS_BAR_METRICS = ("recall@1", "map@r")
+
+
+def _has_parameters(loss: nn.Module) -> bool:
+    """Whether a loss has (or will have, once its sizes are known) learnable parameters."""
+    return bool(getattr(loss, "has_parameters", False)) or any(True for _ in loss.parameters())
 
 
 def _default_optimizer(params: Any) -> torch.optim.Optimizer:
@@ -67,6 +74,24 @@ class DMLModule(pl.LightningModule):
             in eval mode without gradient (weights and BN statistics unchanged), then trains (GPW: 5 epochs).
             Under DDP this needs ``strategy: ddp_find_unused_parameters_true`` (the backbone has no gradient in
             the frozen epochs).
+        loss_lr_multiplier: the learning rate of the loss's own parameters (proxies, class weights) is the
+            optimizer's learning rate times this, independent of ``head_lr_multiplier`` (Proxy-Anchor: 100).
+        loss_weight_decay: weight decay of the loss's parameters (0: none, whatever the optimizer's default).
+        layer_decay: layer-wise learning-rate decay of a timm backbone (:class:`~lightning_dml.models.TimmBackbone`;
+            BEiT, Bao et al. 2022, Sec. 2.6 / DeiT III fine-tuning): the backbone's parameters are grouped by depth
+            with timm's ``param_groups_layer_decay`` (ViT: patch and position embeddings and tokens = layer 0,
+            block ``i`` = layer ``i + 1``, the final norm with the last block) and layer ``l`` of ``L`` trains at
+            ``lr * layer_decay ** (L - 1 - l)``: timm's ``lr_scale`` becomes each group's ``lr``. The same grouping gives norms, biases,
+            position embeddings and class/register tokens no weight decay (the other backbone parameters keep the
+            optimizer's). ``1.0``: that weight-decay split without lr decay. ``None``: one backbone group.
+
+    Losses with parameters (:class:`~lightning_dml.losses.ProxyLoss`: Proxy-Anchor, ArcFace, ...): a config may
+    leave out their ``num_classes`` and ``embedding_dim``; ``setup("fit")`` fills them in from the data module's
+    ``train_class_ids`` (the classes trained on, after any validation hold-out) and the head's output width
+    (``3 * embedding_dim`` with ``fusion="concat"``), and saves them as the ``loss_sizes`` hyper-parameter so a
+    checkpoint rebuilds the loss. Training labels are mapped to class indices ``0 .. num_classes - 1`` in the
+    order of ``train_class_ids``. With ``fusion="per_level"`` each level has its own loss instance
+    (:attr:`level_losses`). Their parameters form the optimizer group ``"loss"``.
     """
 
     def __init__(
@@ -86,6 +111,9 @@ class DMLModule(pl.LightningModule):
         normalize_levels: bool = False,
         freeze_bn: bool = False,
         freeze_backbone_epochs: int = 0,
+        loss_lr_multiplier: float = 1.0,
+        loss_weight_decay: float = 0.0,
+        layer_decay: float | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["backbone", "loss", "optimizer", "lr_scheduler"])
@@ -99,6 +127,20 @@ class DMLModule(pl.LightningModule):
             raise ValueError(f"fusion must be one of {_FUSION}, got {fusion!r}")
         if freeze_backbone_epochs < 0:
             raise ValueError(f"freeze_backbone_epochs must be >= 0, got {freeze_backbone_epochs}")
+        if loss_lr_multiplier <= 0 or loss_weight_decay < 0:
+            raise ValueError(
+                "need loss_lr_multiplier > 0 and loss_weight_decay >= 0, "
+                f"got {loss_lr_multiplier} and {loss_weight_decay}"
+            )
+        if layer_decay is not None:
+            if not 0 < layer_decay <= 1:
+                raise ValueError(f"layer_decay must be in (0, 1], got {layer_decay}")
+            if not hasattr(getattr(backbone, "model", None), "group_matcher"):
+                raise ValueError(
+                    f"layer_decay needs a timm backbone (lightning_dml.models.TimmBackbone) whose layers timm can "
+                    f"group; {type(backbone).__name__} is not one"
+                )
+        self.layer_decay = layer_decay
         self.backbone = backbone
         self.fusion = fusion
         self.freeze_bn = freeze_bn
@@ -107,13 +149,19 @@ class DMLModule(pl.LightningModule):
         if fusion == "none":
             self.head: nn.Module = LinearEmbedding(int(backbone.out_features), embedding_dim, head_norm)
         else:
-            levels = _check_levels(backbone)
+            levels = check_levels(backbone)
             self.head = MultiLevelEmbedding(levels, embedding_dim, head_norm, normalize_levels)
         if freeze_bn:
             for p in self._backbone_bn_parameters():
                 p.requires_grad_(False)
             self._apply_frozen_modes()
         self.loss = build_loss(loss) if isinstance(loss, str) else loss
+        #: with ``fusion="per_level"`` and a loss with parameters: one loss per level (the first is ``self.loss``)
+        self.level_losses = self._make_level_losses()
+        self.loss_lr_multiplier = float(loss_lr_multiplier)
+        self.loss_weight_decay = float(loss_weight_decay)
+        #: the training split's class labels, sorted (set in ``setup("fit")`` for losses that need class indices)
+        self.register_buffer("train_class_ids", None, persistent=False)
         self.optimizer_factory = optimizer
         self.scheduler_factory = lr_scheduler
         self.scheduler_interval = scheduler_interval
@@ -140,26 +188,94 @@ class DMLModule(pl.LightningModule):
             raise ValueError("embed_levels needs fusion='concat' or 'per_level', this module has fusion='none'")
         return self.head.forward_levels(self._features(images))
 
+    # ------------------------------------------------------------------ losses with parameters
+    def _make_level_losses(self) -> nn.ModuleList | None:
+        if self.fusion != "per_level" or not _has_parameters(self.loss):
+            return None
+        copies = [copy.deepcopy(self.loss) for _ in range(len(self.head.levels) - 1)]
+        for loss in copies:
+            if hasattr(loss, "reset_parameters"):
+                loss.reset_parameters()  # each level its own proxies
+        return nn.ModuleList([self.loss, *copies])
+
+    def trained_losses(self) -> list[nn.Module]:
+        """The loss instances that train: one per level with ``per_level`` fusion and parameters, else ``[loss]``."""
+        return list(self.level_losses) if self.level_losses is not None else [self.loss]
+
+    def _complete_losses(self, datamodule: Any) -> None:
+        """Fill in ``num_classes`` / ``embedding_dim`` of the losses that need them (see the class docstring)."""
+        losses = [loss for loss in self.trained_losses() if getattr(loss, "needs_num_classes", False)]
+        if not losses:
+            return
+        class_ids = getattr(datamodule, "train_class_ids", None)
+        if class_ids is not None:
+            num_classes = int(class_ids.numel())
+        else:
+            num_classes = getattr(datamodule, "num_train_classes", None)
+        width = self.hparams.embedding_dim if self.fusion == "per_level" else int(self.head.embedding_dim)
+        for loss in losses:
+            loss.complete(num_classes=num_classes, embedding_dim=width)
+            if not loss.is_complete:
+                source = f"{type(datamodule).__name__} has no num_train_classes" if datamodule else "no data module"
+                raise ValueError(
+                    f"{type(loss).__name__} needs num_classes and it cannot be filled in ({source}): set it in the "
+                    "loss's init_args"
+                )
+            loss.to(self.device)
+        if class_ids is not None:
+            self.train_class_ids = class_ids.to(self.device)
+        self.hparams["loss_sizes"] = {"num_classes": losses[0].num_classes, "embedding_dim": losses[0].embedding_dim}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # rebuild the parameters of losses whose sizes were filled in by setup("fit") before the weights load
+        sizes = checkpoint.get("hyper_parameters", {}).get("loss_sizes")
+        if not sizes:
+            return
+        for loss in self.trained_losses():
+            if getattr(loss, "needs_num_classes", False):
+                loss.complete(**sizes).to(self.device)
+        self.hparams["loss_sizes"] = dict(sizes)
+
+    def _class_indices(self, labels: torch.Tensor) -> torch.Tensor:
+        """Training labels -> indices into ``train_class_ids`` (unchanged when no loss needs class indices)."""
+        ids = self.train_class_ids
+        if ids is None:
+            return labels
+        index = torch.searchsorted(ids, labels).clamp_(max=ids.numel() - 1)
+        unknown = ids[index] != labels
+        if bool(unknown.any()):
+            raise ValueError(
+                f"training label {int(labels[unknown][0])} is not one of the {ids.numel()} classes of the data "
+                "module's training split (train_class_ids): the loss has no proxy for it"
+            )
+        return index
+
     # ------------------------------------------------------------------ training
-    def _pair_loss(self, embeddings: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _pair_loss(self, embeddings: torch.Tensor, labels: torch.Tensor, loss: nn.Module | None = None) -> torch.Tensor:
+        loss = self.loss if loss is None else loss
         if self.gather_distributed and self.trainer.world_size > 1:
             from lightning_dml.losses.distributed import gather_from_other_ranks
 
             ref_embeddings, ref_labels = gather_from_other_ranks(embeddings, labels)
-            return self.loss(embeddings, labels, ref_embeddings=ref_embeddings, ref_labels=ref_labels)
-        return self.loss(embeddings, labels)
+            return loss(embeddings, labels, ref_embeddings=ref_embeddings, ref_labels=ref_labels)
+        return loss(embeddings, labels)
 
     def setup(self, stage: str) -> None:
         if stage == "fit":  # before any step: a loss and sampler that give no positive pairs cannot train
-            check_fit_combination(self.loss, getattr(self.trainer, "datamodule", None))
+            datamodule = getattr(self.trainer, "datamodule", None)
+            check_fit_combination(self.loss, datamodule)
+            self._complete_losses(datamodule)
 
     def training_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch[0], batch[1]
         if batch_idx == 0:  # any data source: its first batch of every epoch must hold positive pairs
             check_training_batch(self.loss, labels)
         batch_size = labels.shape[0]
+        labels = self._class_indices(labels)
         if self.fusion == "per_level":
-            level_losses = [self._pair_loss(e, labels) for e in self.embed_levels(images)]
+            embeddings = self.embed_levels(images)
+            losses = self.trained_losses() if self.level_losses is not None else [self.loss] * len(embeddings)
+            level_losses = [self._pair_loss(e, labels, f) for e, f in zip(embeddings, losses)]
             for name, value in zip(self.backbone.level_names, level_losses):
                 self.log(f"train/loss_{name}", value, batch_size=batch_size)
             loss = torch.stack(level_losses).sum()
@@ -221,17 +337,24 @@ class DMLModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ evaluation
     def _evaluation_step(self, metric: RetrievalMetrics, batch: Sequence[torch.Tensor]) -> None:
-        images, targets = split_eval_batch(batch)
-        metric.update(self(images), **targets)
+        metric.update_from_batch(self(batch[0]), batch)
 
     def _log_metrics(self, metric: RetrievalMetrics, prefix: str) -> dict[str, float]:
         # the retrieval search and k-means can take minutes at SOP scale: show their progress where the
         # trainer shows its own (rank zero, progress bar enabled)
-        show = self._trainer is not None and self.trainer.progress_bar_callback is not None
-        with progress_bars(show and self.trainer.is_global_zero):
+        show = self.trainer.progress_bar_callback is not None and self.trainer.is_global_zero
+        with progress_bars(show):
             values = metric.compute()
         metric.reset()
-        self.log_dict({f"{prefix}/{k}": v for k, v in values.items()}, sync_dist=False, rank_zero_only=False)
+        # The values are already global (RetrievalMetrics evaluates the whole split across processes) and equal on
+        # every rank. sync_dist=True with reduce_fx="max" keeps them exact (the max of equal values; a mean would
+        # divide a sum that may round) for one scalar all-reduce each, tells Lightning they are global (no
+        # sync_dist warning under DDP), and leaves every rank the same value for ModelCheckpoint's monitor.
+        # rank_zero_only=True would hide the monitored value from the other ranks.
+        for name, value in values.items():
+            self.log(
+                f"{prefix}/{name}", value, prog_bar=name in PROGRESS_BAR_METRICS, sync_dist=True, reduce_fx="max"
+            )
         return values
 
     def validation_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> None:
@@ -254,23 +377,62 @@ class DMLModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def parameter_groups(self) -> list[dict[str, Any]]:
-        """Backbone and head parameters as separate groups (the head's lr is scaled in configure_optimizers).
+        """Backbone, head and loss parameters as separate groups (the head's and the loss's lr are scaled in
+        configure_optimizers; the loss group has weight decay ``loss_weight_decay``, and exists only when the loss
+        has parameters).
 
         With ``freeze_bn`` the backbone's BatchNorm weights and biases are left out (they never change).
         """
         head_params = list(self.head.parameters())
-        loss_params = [p for p in self.loss.parameters() if p.requires_grad]
+        loss_params = {id(p): p for f in self.trained_losses() for p in f.parameters() if p.requires_grad}
+        loss_params = list(loss_params.values())  # once each (the first level's loss is also `self.loss`)
         frozen = {id(p) for p in self._backbone_bn_parameters()} if self.freeze_bn else set()
         backbone_params = [p for p in self.backbone.parameters() if id(p) not in frozen]
-        groups = [{"params": backbone_params, "name": "backbone"}]
-        groups.append({"params": head_params + loss_params, "name": "head"})
+        if self.layer_decay is None:
+            groups = [{"params": backbone_params, "name": "backbone"}]
+        else:
+            groups = self._layer_decay_groups(backbone_params)
+        groups.append({"params": head_params, "name": "head"})
+        if loss_params:
+            groups.append({"params": loss_params, "name": "loss", "weight_decay": self.loss_weight_decay})
+        return groups
+
+    def _layer_decay_groups(self, backbone_params: list[nn.Parameter]) -> list[dict[str, Any]]:
+        """The backbone's parameters grouped by timm's ``param_groups_layer_decay`` (``lr_scale`` per group,
+        weight decay 0 for the no-decay groups, the optimizer's for the others); parameters outside the timm
+        model (GeM's ``p``) form one more group at scale 1."""
+        from timm.optim import param_groups_layer_decay
+
+        model = self.backbone.model
+        no_decay = set(getattr(model, "no_weight_decay", set)())
+        timm_groups = param_groups_layer_decay(
+            model, weight_decay=1.0, no_weight_decay_list=no_decay, layer_decay=float(self.layer_decay)
+        )
+        keep = {id(p) for p in backbone_params}
+        groups: list[dict[str, Any]] = []
+        for index, group in enumerate(timm_groups):
+            params = [p for p in group["params"] if id(p) in keep]
+            if not params:
+                continue
+            entry = {"params": params, "name": f"backbone.{index}", "lr_scale": float(group["lr_scale"])}
+            if group["weight_decay"] == 0:
+                entry["weight_decay"] = 0.0
+            groups.append(entry)
+        grouped = {id(p) for g in groups for p in g["params"]}
+        rest = [p for p in backbone_params if id(p) not in grouped and p.requires_grad]
+        if rest:
+            groups.append({"params": rest, "name": "backbone.extra", "lr_scale": 1.0})
         return groups
 
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(self.parameter_groups())
         for group in optimizer.param_groups:
+            if "lr_scale" in group:  # layer-wise decay: torch optimizers read ``lr``, not timm's ``lr_scale``
+                group["lr"] = group["lr"] * group["lr_scale"]
             if group.get("name") == "head":
                 group["lr"] = group["lr"] * self.head_lr_multiplier
+            elif group.get("name") == "loss":
+                group["lr"] = group["lr"] * self.loss_lr_multiplier
         if self.scheduler_factory is None:
             return optimizer
         scheduler = self.scheduler_factory(optimizer)
