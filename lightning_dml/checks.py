@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from lightning_dml.input_checks import check_integer_labels
+
 
 def _loss_name(loss: Any) -> str:
     return type(loss).__name__
@@ -22,7 +24,7 @@ def check_fit_combination(loss: Any, datamodule: Any) -> None:
     Reads the data module's ``samples_per_class`` (K of the P x K sampler) and ``sampler`` where it has them;
     other data modules are checked on their first batch by :func:`check_training_batch`.
     """
-    if datamodule is None:
+    if datamodule is None or not getattr(loss, "needs_positive_pairs", True):
         return
     k = getattr(datamodule, "samples_per_class", None)
     if k is not None and int(k) < 2:
@@ -36,10 +38,12 @@ def check_fit_combination(loss: Any, datamodule: Any) -> None:
 
 def check_training_batch(loss: Any, labels: torch.Tensor) -> None:
     """Raise ``ValueError`` when a training batch has no two items of the same class (no positive pair)."""
-    if labels.ndim != 1:
-        raise ValueError(f"training labels must be a 1-d tensor of class ids, got shape {tuple(labels.shape)}")
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise ValueError(f"training labels must be integer class ids, got dtype {labels.dtype}")
+    if not isinstance(labels, torch.Tensor) or labels.ndim != 1:
+        shape = tuple(labels.shape) if isinstance(labels, torch.Tensor) else type(labels).__name__
+        raise ValueError(f"training labels must be a 1-D tensor of class ids, got shape {shape}")
+    check_integer_labels(labels, "training labels (class ids)")
+    if not getattr(loss, "needs_positive_pairs", True):  # proxy losses learn from single images of a class
+        return
     if labels.numel() and torch.unique(labels).numel() == labels.numel():
         n = labels.numel()
         raise ValueError(

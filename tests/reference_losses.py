@@ -242,7 +242,8 @@ def npair(z, y, l2_reg=0.005, symmetric=False, variant="mc"):
             else:
                 for j in range(n):
                     if j != i:
-                        total = total + torch.log1p(torch.exp(torch.dot(X[i], Y[j]) - torch.dot(X[i], Y[i])))
+                        # log(1 + exp(x)) evaluated without overflow (raw inner products can be huge)
+                        total = total + torch.logaddexp(zero, torch.dot(X[i], Y[j]) - torch.dot(X[i], Y[i]))
         return total / n
 
     loss = one(A, P)

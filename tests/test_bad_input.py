@@ -25,6 +25,7 @@ from lightning_dml.data.files import DatasetLayoutError
 from lightning_dml.data.image_list import CorruptImageError
 from lightning_dml.data.inshop import InShopDataModule
 from lightning_dml.data.samplers import BalancedClassSampler
+from lightning_dml.input_checks import check_embeddings, check_finite, check_labels, check_per_row
 from lightning_dml.losses import MultiSimilarityLoss, NPairLoss, build_loss
 from lightning_dml.metrics import RetrievalMetrics
 from lightning_dml.models import SmallConvNet, build_backbone
@@ -99,8 +100,32 @@ def test_non_integer_labels_reaching_sampler_loss_metric_or_training():
         MultiSimilarityLoss()(torch.randn(4, 8), torch.tensor([0.0, 1.0, 1.0, 0.0]))
     with pytest.raises(ValueError, match="labels must be an integer tensor, got dtype torch.float32"):
         RetrievalMetrics().update(torch.randn(4, 8), torch.tensor([0.0, 1.0, 1.0, 0.0]))
-    with pytest.raises(ValueError, match="training labels must be integer class ids, got dtype torch.float32"):
+    with pytest.raises(ValueError, match=r"training labels \(class ids\) must be an integer tensor, got dtype .*float"):
         check_training_batch(MultiSimilarityLoss(), torch.tensor([0.0, 1.0, 1.0, 0.0]))
+
+
+def test_shared_input_checks_name_the_problem_and_where():
+    """lightning_dml.input_checks: the one implementation behind the loss, metric and training-batch checks."""
+    w = "SomeLoss"
+    cases = [
+        (lambda: check_embeddings([1.0], where=w), r"SomeLoss: embeddings must be a torch.Tensor, got list"),
+        (lambda: check_embeddings(torch.zeros(3), where=w), r"SomeLoss: embeddings must be a 2-D tensor \[N, D\]"),
+        (lambda: check_embeddings(torch.zeros(3, 2, dtype=torch.long)), "must be a floating point tensor"),
+        (lambda: check_embeddings(torch.zeros(0, 2)), r"embeddings is empty \(N = 0 rows\)"),
+        (lambda: check_embeddings(torch.zeros(3, 0)), "dimension D = 0"),
+        (lambda: check_labels(torch.zeros(3, 1, dtype=torch.long), 3), r"one entry per row of embeddings"),
+        (lambda: check_labels(torch.zeros(2, dtype=torch.long), 3), "labels has 2 entries but embeddings has 3 rows"),
+        (lambda: check_labels(torch.zeros(3, dtype=torch.bool), 3), "labels must be an integer tensor, got dtype"),
+        (lambda: check_per_row(torch.zeros(3, dtype=torch.long), 3, "query_mask", kind="bool"), "query_mask .* bool"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ValueError, match=message):
+            call()
+    bad = torch.zeros(5, 2)
+    bad[1, 0], bad[3, 1] = float("nan"), float("inf")
+    with pytest.raises(ValueError, match=r"^W: x contain non-finite values \(NaN/Inf\) in 2 row\(s\), first at row 1$"):
+        check_finite(bad, "x", where="W")
+    check_finite(torch.full((2, 2), 3e38))  # a finite sum that overflows is not an error
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated"])
@@ -217,7 +242,8 @@ def _fit(module, data, root: Path, recorder: StepRecorder | None = None) -> None
 def test_nan_embeddings_stop_training_at_the_first_step(tmp_path):
     module = DMLModule(NaNAfter(), embedding_dim=4, clustering=False)
     recorder = StepRecorder()
-    with pytest.raises(ValueError, match=r"NaN in 16 row\(s\), first at row 0"):
+    message = r"embeddings contain non-finite values \(NaN\) in 16 row\(s\), first at row 0"
+    with pytest.raises(ValueError, match=message):
         _fit(module, RandomImages(classes_per_batch=4, samples_per_class=4), tmp_path, recorder)
     assert recorder.steps == [0]  # the very first batch, not after hours of NaN losses
     assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())

@@ -24,33 +24,34 @@ def _batch(seed, b, d, classes):
     return z, y
 
 
-def _compare(loss, z, y, kw, **extra):
-    z32 = z.float().requires_grad_(True)
+def _compare(loss, z, y, kw, device=None, **extra):
+    device = torch.device("cpu") if device is None else device
+    z32 = z.to(device=device, dtype=torch.float32).requires_grad_(True)
     zr = z.clone().requires_grad_(True)
     expected = ref.multi_similarity(zr, y, **kw, **extra)
     (g_ref,) = torch.autograd.grad(expected, zr)
-    extra32 = {k: (v.float() if v.is_floating_point() else v) for k, v in extra.items()}
+    extra32 = {k: (v.float() if v.is_floating_point() else v).to(device) for k, v in extra.items()}
     for closed_form in (True, False):
         loss.closed_form = closed_form
-        value = loss(z32, y, **{("ref_embeddings" if k == "ref" else k): v for k, v in extra32.items()})
+        value = loss(z32, y.to(device), **{("ref_embeddings" if k == "ref" else k): v for k, v in extra32.items()})
         (g,) = torch.autograd.grad(value, z32)
         assert value.dtype == torch.float32 and value.ndim == 0
-        torch.testing.assert_close(value.double(), expected, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(g.double(), g_ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(value.double().cpu(), expected, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g.double().cpu(), g_ref, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("kw", VARIANTS)
 @pytest.mark.parametrize("seed,b,d,classes", [(0, 12, 4, 3), (1, 24, 8, 6), (2, 30, 16, 2)])
-def test_matches_loop_reference(kw, seed, b, d, classes):
+def test_matches_loop_reference(kw, seed, b, d, classes, device):
     z, y = _batch(seed, b, d, classes)
-    _compare(MultiSimilarityLoss(**kw), z, y, kw)
+    _compare(MultiSimilarityLoss(**kw), z, y, kw, device=device)
 
 
 @pytest.mark.parametrize("kw", [{}, {"on_empty": "skip"}, {"mining": False}])
-def test_reference_gallery_matches_loop_reference(kw):
+def test_reference_gallery_matches_loop_reference(kw, device):
     z, y = _batch(3, 10, 8, 3)
     r, ry = _batch(4, 7, 8, 4)
-    _compare(MultiSimilarityLoss(**kw), z, y, kw, ref=r, ref_labels=ry)
+    _compare(MultiSimilarityLoss(**kw), z, y, kw, device=device, ref=r, ref_labels=ry)
 
 
 @pytest.mark.parametrize("seed,b,k", [(0, 40, 5), (1, 64, 4), (2, 33, 3)])

@@ -60,9 +60,12 @@ def _batch(seed, b, d, classes):
     return torch.randn(b, d, generator=g, dtype=torch.float64), torch.randint(0, classes, (b,), generator=g)
 
 
-def _check(loss, reference, z, y, ref_kw, call_kw=None):
-    """fp64 inputs: 1e-5 relative to the fp64 loop reference; fp32 inputs (the training path): 1e-4."""
+def check_against_reference(loss, reference, z, y, ref_kw, call_kw=None, device=None):
+    """fp64 inputs: 1e-5 relative to the fp64 loop reference; fp32 inputs (the training path): 1e-4.
+
+    The loss runs on ``device`` (default CPU); the reference always on the CPU in fp64."""
     call_kw = call_kw or {}
+    device = torch.device("cpu") if device is None else device
     zr = z.clone().requires_grad_(True)
     expected = reference(zr, y, **ref_kw, **{k: v for k, v in call_kw.items()})
     (g_ref,) = torch.autograd.grad(expected, zr) if expected.requires_grad else (torch.zeros_like(z),)
@@ -70,39 +73,40 @@ def _check(loss, reference, z, y, ref_kw, call_kw=None):
     for closed_form in paths:
         for dtype, rtol, atol in ((torch.float64, 1e-5, 1e-8), (torch.float32, 1e-4, 1e-5)):
             loss.closed_form = closed_form
-            zz = z.to(dtype).requires_grad_(True)
+            zz = z.to(device=device, dtype=dtype).requires_grad_(True)
             kw = {}
             if "ref" in call_kw:
-                kw = {"ref_embeddings": call_kw["ref"].to(dtype), "ref_labels": call_kw["ref_labels"]}
-            value = loss(zz, y, **kw)
+                kw = {"ref_embeddings": call_kw["ref"].to(device=device, dtype=dtype),
+                      "ref_labels": call_kw["ref_labels"].to(device)}
+            value = loss(zz, y.to(device), **kw)
             (g,) = torch.autograd.grad(value, zz, allow_unused=True)
             g = torch.zeros_like(zz) if g is None else g
-            assert value.dtype == dtype and value.ndim == 0
-            torch.testing.assert_close(value.double(), expected.detach(), rtol=rtol, atol=atol)
-            torch.testing.assert_close(g.double(), g_ref, rtol=rtol, atol=atol)
+            assert value.dtype == dtype and value.ndim == 0 and value.device.type == device.type
+            torch.testing.assert_close(value.double().cpu(), expected.detach(), rtol=rtol, atol=atol)
+            torch.testing.assert_close(g.double().cpu(), g_ref, rtol=rtol, atol=atol)
 
 
-def _tml_ref(z, y, **kw):
+def tml_reference(z, y, **kw):
     kw = {k: v for k, v in kw.items() if k != "negatives"}
     return ref.tuplet_margin_all_negatives(z, y, **kw)
 
 
 @pytest.mark.parametrize("cls,kw,reference", CASES, ids=lambda v: getattr(v, "__name__", str(v)))
 @pytest.mark.parametrize("shape", SHAPES)
-def test_loss_matches_loop_reference(cls, kw, reference, shape):
+def test_loss_matches_loop_reference(cls, kw, reference, shape, device):
     z, y = _batch(*shape)
-    _check(cls(**kw), reference or _tml_ref, z, y, kw)
+    check_against_reference(cls(**kw), reference or tml_reference, z, y, kw, device=device)
 
 
 @pytest.mark.parametrize("kw", GPW_CASES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_gpw_matches_loop_reference(kw, shape):
+def test_gpw_matches_loop_reference(kw, shape, device):
     z, y = _batch(*shape)
     loss = GeneralPairWeightingLoss(**kw)
     cfg = dict(form=loss.form, mining=loss.mining, weighting=loss.weighting, m1=loss.m1, m2=loss.m2,
                margin=loss.margin, p=loss.p, q=loss.q, alpha=loss.alpha, beta=loss.beta, eps=loss.eps,
                normalize=loss.normalize_weights)
-    _check(loss, ref.general_pair_weighting, z, y, cfg)
+    check_against_reference(loss, ref.general_pair_weighting, z, y, cfg, device=device)
 
 
 @pytest.mark.parametrize(
@@ -111,12 +115,12 @@ def test_gpw_matches_loop_reference(kw, shape):
     ids=str,
 )
 @pytest.mark.parametrize("seed,n_classes,extra", [(0, 6, 0), (1, 10, 3), (2, 3, 1)])
-def test_npair_matches_loop_reference(kw, seed, n_classes, extra):
+def test_npair_matches_loop_reference(kw, seed, n_classes, extra, device):
     g = torch.Generator().manual_seed(seed)
     y = torch.cat([torch.arange(n_classes).repeat(2), torch.randint(0, n_classes + 2, (extra,), generator=g)])
     y = y[torch.randperm(len(y), generator=g)]
     z = torch.randn(len(y), 8, generator=g, dtype=torch.float64)
-    _check(NPairLoss(**kw), ref.npair, z, y, kw)
+    check_against_reference(NPairLoss(**kw), ref.npair, z, y, kw, device=device)
 
 
 @pytest.mark.parametrize(
@@ -136,7 +140,7 @@ def test_npair_matches_loop_reference(kw, seed, n_classes, extra):
     ],
     ids=lambda v: getattr(v, "__name__", str(v)),
 )
-def test_reference_gallery_matches_loop_reference(cls, kw, reference):
+def test_reference_gallery_matches_loop_reference(cls, kw, reference, device):
     z, y = _batch(7, 10, 8, 3)
     r, ry = _batch(8, 9, 8, 4)
     loss = cls(**kw)
@@ -144,7 +148,7 @@ def test_reference_gallery_matches_loop_reference(cls, kw, reference):
         kw = dict(form=loss.form, mining=loss.mining, weighting=loss.weighting, m1=loss.m1, m2=loss.m2,
                   margin=loss.margin, p=loss.p, q=loss.q, alpha=loss.alpha, beta=loss.beta, normalize=True)
         reference = ref.general_pair_weighting
-    _check(loss, reference or _tml_ref, z, y, kw, {"ref": r, "ref_labels": ry})
+    check_against_reference(loss, reference or tml_reference, z, y, kw, {"ref": r, "ref_labels": ry}, device=device)
 
 
 def test_gpw_presets_are_the_paper_values():

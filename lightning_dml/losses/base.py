@@ -14,13 +14,14 @@ gallery items (the batch itself plus optional reference items), boolean masks fr
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Tuple
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_dml.input_checks import check_embeddings, check_finite, check_labels, check_same_device
 from lightning_dml.miners import label_masks
+from lightning_dml.scaling import l2_normalize
 
 __all__ = [
     "DIST_EPS",
@@ -42,78 +43,40 @@ __all__ = [
 #: floor of ``2 - 2 S`` before the square root (SPEC 0.3 rule 2)
 DIST_EPS = 1e-12
 
-PairGradFn = Callable[[Tensor], Tuple[Tensor, object]]
-
-
-def _check_embeddings(x: object, name: str) -> None:
-    if not isinstance(x, Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.ndim != 2:
-        raise ValueError(f"{name} must have shape [batch, dim], got shape {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise ValueError(f"{name} must be a floating point tensor, got dtype {x.dtype}")
-
-
-def _check_labels(y: object, name: str, length: int, emb_name: str) -> None:
-    if not isinstance(y, Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(y).__name__}")
-    if y.ndim != 1:
-        raise ValueError(f"{name} must have shape [batch], got shape {tuple(y.shape)}")
-    if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:
-        raise ValueError(f"{name} must be an integer tensor, got dtype {y.dtype}")
-    if y.shape[0] != length:
-        raise ValueError(f"{name} has {y.shape[0]} entries but {emb_name} has {length} rows")
-
-
-def _check_finite(x: Tensor, name: str) -> None:
-    # fast exact pre-check: a NaN or Inf anywhere makes the sum NaN or Inf; only then look closer (a finite
-    # overflow of the sum falls through to the exact check, which then finds nothing)
-    if bool(torch.isfinite(x.sum())):
-        return
-    bad = ~torch.isfinite(x)
-    if bool(bad.any()):
-        rows = bad.any(dim=1).nonzero().flatten()
-        kinds = []
-        if bool(torch.isnan(x).any()):
-            kinds.append("NaN")
-        if bool(torch.isinf(x).any()):
-            kinds.append("Inf")
-        raise ValueError(
-            f"{name} contain {'/'.join(kinds)} in {rows.numel()} row(s), first at row {int(rows[0])}"
-        )
-    return
+PairGradFn = Callable[[Tensor], tuple[Tensor, object]]
 
 
 def check_inputs(
     embeddings: Tensor,
     labels: Tensor,
-    ref_embeddings: Optional[Tensor] = None,
-    ref_labels: Optional[Tensor] = None,
+    ref_embeddings: Tensor | None = None,
+    ref_labels: Tensor | None = None,
+    where: str | None = None,
 ) -> None:
-    """Validate a loss call; raise ``ValueError`` saying what is wrong and where."""
-    _check_embeddings(embeddings, "embeddings")
-    if embeddings.shape[0] == 0:
-        raise ValueError("embeddings is empty (batch size 0)")
-    _check_labels(labels, "labels", embeddings.shape[0], "embeddings")
-    if labels.device != embeddings.device:
-        raise ValueError(f"labels are on {labels.device} but embeddings are on {embeddings.device}")
-    _check_finite(embeddings, "embeddings")
+    """Validate a loss call with :mod:`lightning_dml.input_checks`; ``ValueError`` saying what is wrong and where
+    (``where``, e.g. the loss's class name, prefixes the message)."""
+    check_embeddings(embeddings, "embeddings", where=where)
+    check_labels(labels, embeddings.shape[0], "labels", where=where)
+    check_same_device(labels, embeddings, "labels", where=where)
+    check_finite(embeddings, "embeddings", where=where)
     if (ref_embeddings is None) != (ref_labels is None):
-        raise ValueError("ref_embeddings and ref_labels must be given together")
+        raise ValueError(f"{where + ': ' if where else ''}ref_embeddings and ref_labels must be given together")
     if ref_embeddings is None:
         return
-    _check_embeddings(ref_embeddings, "ref_embeddings")
-    _check_labels(ref_labels, "ref_labels", ref_embeddings.shape[0], "ref_embeddings")
+    check_embeddings(ref_embeddings, "ref_embeddings", where=where, allow_empty=True)
+    check_labels(ref_labels, ref_embeddings.shape[0], "ref_labels", of="ref_embeddings", where=where)
+    prefix = f"{where}: " if where else ""
     if ref_embeddings.shape[1] != embeddings.shape[1]:
         raise ValueError(
-            f"ref_embeddings have dim {ref_embeddings.shape[1]} but embeddings have dim {embeddings.shape[1]}"
+            f"{prefix}ref_embeddings have dim {ref_embeddings.shape[1]} but embeddings have dim {embeddings.shape[1]}"
         )
     if ref_embeddings.dtype != embeddings.dtype:
-        raise ValueError(f"ref_embeddings dtype {ref_embeddings.dtype} differs from embeddings dtype {embeddings.dtype}")
-    for t, n in ((ref_embeddings, "ref_embeddings"), (ref_labels, "ref_labels")):
-        if t.device != embeddings.device:
-            raise ValueError(f"{n} are on {t.device} but embeddings are on {embeddings.device}")
-    _check_finite(ref_embeddings, "ref_embeddings")
+        raise ValueError(
+            f"{prefix}ref_embeddings dtype {ref_embeddings.dtype} differs from embeddings dtype {embeddings.dtype}"
+        )
+    check_same_device(ref_embeddings, embeddings, "ref_embeddings", where=where)
+    check_same_device(ref_labels, embeddings, "ref_labels", where=where)
+    check_finite(ref_embeddings, "ref_embeddings", where=where)
 
 
 def upcast(x: Tensor) -> Tensor:
@@ -122,8 +85,9 @@ def upcast(x: Tensor) -> Tensor:
 
 
 def normalize_embeddings(x: Tensor) -> Tensor:
-    """fp32 upcast and L2 normalisation (a zero vector stays zero)."""
-    return F.normalize(upcast(x), p=2.0, dim=1, eps=1e-12)
+    """fp32 upcast and scale-safe L2 normalisation (:func:`lightning_dml.scaling.l2_normalize`: any magnitude,
+    a zero vector stays zero)."""
+    return l2_normalize(upcast(x), dim=1, eps=1e-12)
 
 
 def similarity_matrix(anchors: Tensor, gallery: Tensor) -> Tensor:
@@ -141,7 +105,7 @@ def squared_distance_from_similarity(sim: Tensor) -> Tensor:
     return torch.clamp(2.0 - 2.0 * sim, min=0.0)
 
 
-def distance_and_derivative(sim: Tensor, squared: bool = False) -> Tuple[Tensor, Tensor]:
+def distance_and_derivative(sim: Tensor, squared: bool = False) -> tuple[Tensor, Tensor]:
     """``D`` (or ``D^2``) from ``S`` and ``dD/dS`` as autograd computes it through the clamps (no autograd)."""
     gap = 2.0 - 2.0 * sim
     if squared:
@@ -195,7 +159,7 @@ class ClosedFormPairFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, anchors: Tensor, gallery: Optional[Tensor], fn: PairGradFn) -> Tensor:  # type: ignore[override]
+    def forward(ctx, anchors: Tensor, gallery: Tensor | None, fn: PairGradFn) -> Tensor:  # type: ignore[override]
         g = anchors if gallery is None else gallery
         raw = anchors @ g.T
         out = fn(raw)
@@ -258,10 +222,10 @@ class PairLoss(nn.Module):
         self,
         embeddings: Tensor,
         labels: Tensor,
-        ref_embeddings: Optional[Tensor] = None,
-        ref_labels: Optional[Tensor] = None,
+        ref_embeddings: Tensor | None = None,
+        ref_labels: Tensor | None = None,
     ) -> Tensor:
-        check_inputs(embeddings, labels, ref_embeddings, ref_labels)
+        check_inputs(embeddings, labels, ref_embeddings, ref_labels, where=type(self).__name__)
         if ref_embeddings is not None and not self.supports_ref:
             raise ValueError(
                 f"{type(self).__name__} cannot score against ref_embeddings (its batch structure is fixed); "
@@ -278,7 +242,7 @@ class PairLoss(nn.Module):
             loss = self.compute(anchors, labels, gallery, gallery_labels)
         return upcast(loss)
 
-    def compute(self, anchors: Tensor, labels: Tensor, gallery: Optional[Tensor], gallery_labels: Tensor) -> Tensor:
+    def compute(self, anchors: Tensor, labels: Tensor, gallery: Tensor | None, gallery_labels: Tensor) -> Tensor:
         """Loss of normalised fp32 ``anchors`` against ``gallery`` (``None`` = the batch itself)."""
         pos, neg = label_masks(labels, gallery_labels)
         if getattr(self, "detach_gallery", False):
@@ -298,6 +262,6 @@ class PairLoss(nn.Module):
         """Scalar loss from the ``B x N`` similarity matrix and the label masks (autograd path)."""
         raise NotImplementedError
 
-    def pair_loss_and_grad(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tuple[Tensor, Tensor]:
+    def pair_loss_and_grad(self, sim: Tensor, pos: Tensor, neg: Tensor) -> tuple[Tensor, Tensor]:
         """Scalar loss and ``dL/dS`` in closed form (optional fast path)."""
         raise NotImplementedError

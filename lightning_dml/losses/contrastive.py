@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 from torch import Tensor
 
@@ -85,7 +83,7 @@ class ContrastiveLoss(PairLoss):
         lp, ln = (hp * hp, hn * hn) if self.squared_hinge else (hp, hn)
         return reduce_pair_terms(lp, pos, self.reduction) + reduce_pair_terms(ln, neg, self.reduction)
 
-    def pair_loss_and_grad(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tuple[Tensor, Tensor]:
+    def pair_loss_and_grad(self, sim: Tensor, pos: Tensor, neg: Tensor) -> tuple[Tensor, Tensor]:
         dist, d_dist = distance_and_derivative(sim, self.squared)
         hp = torch.where(pos, dist - self.pos_margin, 0.0).clamp_(min=0.0)
         hn = torch.where(neg, self.neg_margin - dist, 0.0).clamp_(min=0.0)
@@ -105,7 +103,7 @@ class ContrastiveLoss(PairLoss):
         return loss, grad_dist.mul_(d_dist)
 
     # ----------------------------------------------------------------------------------- sparse closed form
-    def compute(self, anchors: Tensor, labels: Tensor, gallery: Optional[Tensor], gallery_labels: Tensor) -> Tensor:
+    def compute(self, anchors: Tensor, labels: Tensor, gallery: Tensor | None, gallery_labels: Tensor) -> Tensor:
         """Closed-form path with a sparse ``W``: only positive pairs and active negatives carry a weight.
 
         Positives come from the sorted labels (:func:`positive_pairs`); negatives are examined only in rows whose
@@ -154,5 +152,5 @@ class ContrastiveLoss(PairLoss):
 
         return ClosedFormPairFunction.apply(anchors, gallery, fn)
 
-    def _dist(self, raw: Tensor) -> Tuple[Tensor, Tensor]:
+    def _dist(self, raw: Tensor) -> tuple[Tensor, Tensor]:
         return distance_and_derivative(raw.clamp(-1.0, 1.0), self.squared)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 from torch import Tensor, nn
 
@@ -35,7 +33,7 @@ class CrossBatchMemory(nn.Module):
 
     def __init__(
         self,
-        loss: Union[PairLoss, str] = "contrastive",
+        loss: PairLoss | str = "contrastive",
         embedding_size: int = 512,
         memory_size: int = 1024,
         start_after: int = 0,
@@ -82,10 +80,10 @@ class CrossBatchMemory(nn.Module):
         self,
         embeddings: Tensor,
         labels: Tensor,
-        ref_embeddings: Optional[Tensor] = None,
-        ref_labels: Optional[Tensor] = None,
+        ref_embeddings: Tensor | None = None,
+        ref_labels: Tensor | None = None,
     ) -> Tensor:
-        check_inputs(embeddings, labels, ref_embeddings, ref_labels)
+        check_inputs(embeddings, labels, ref_embeddings, ref_labels, where=type(self).__name__)
         if embeddings.shape[1] != self.embedding_size:
             raise ValueError(f"embeddings have dim {embeddings.shape[1]}, the memory was built for {self.embedding_size}")
         n = int(self.num_filled)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
-
 import torch
 from torch import Tensor
 
@@ -19,7 +17,7 @@ from lightning_dml.miners import (
 __all__ = ["GeneralPairWeightingLoss", "GPW_PRESETS"]
 
 #: named configurations of GPW Section V (CUB/Cars values of Tables IV/V; SOP values go in the SOP configs)
-GPW_PRESETS: Dict[str, Dict[str, object]] = {
+GPW_PRESETS: dict[str, dict[str, object]] = {
     "pair_p": dict(form="pair", mining="threshold", weighting="power", m1=0.0, m2=0.8, p=0.0, q=1.0),
     "pair_e": dict(form="pair", mining="threshold", weighting="exp", m1=0.0, m2=0.8, alpha=0.0, beta=2.0),
     "triplet_p": dict(form="triplet", mining="margin", weighting="power", margin=0.1, p=5.0),
@@ -63,22 +61,22 @@ class GeneralPairWeightingLoss(PairLoss):
     def __init__(
         self,
         preset: str = "pair_e",
-        form: Optional[str] = None,
-        mining: Optional[str] = None,
-        weighting: Optional[str] = None,
-        m1: Optional[float] = None,
-        m2: Optional[float] = None,
-        margin: Optional[float] = None,
-        p: Optional[float] = None,
-        q: Optional[float] = None,
-        alpha: Optional[float] = None,
-        beta: Optional[float] = None,
-        eps: Optional[float] = None,
-        normalize: Optional[bool] = None,
+        form: str | None = None,
+        mining: str | None = None,
+        weighting: str | None = None,
+        m1: float | None = None,
+        m2: float | None = None,
+        margin: float | None = None,
+        p: float | None = None,
+        q: float | None = None,
+        alpha: float | None = None,
+        beta: float | None = None,
+        eps: float | None = None,
+        normalize: bool | None = None,
     ) -> None:
         super().__init__()
         if preset == "custom":
-            base: Dict[str, object] = dict(form="pair", mining="threshold", weighting="constant")
+            base: dict[str, object] = dict(form="pair", mining="threshold", weighting="constant")
         elif preset in GPW_PRESETS:
             base = dict(GPW_PRESETS[preset])
         else:
@@ -115,7 +113,7 @@ class GeneralPairWeightingLoss(PairLoss):
         )
 
     # ----------------------------------------------------------------------------------------------- pair form
-    def _mine_pairs(self, dist: Tensor, pos: Tensor, neg: Tensor) -> Tuple[Tensor, Tensor]:
+    def _mine_pairs(self, dist: Tensor, pos: Tensor, neg: Tensor) -> tuple[Tensor, Tensor]:
         kp, kn = threshold_mining(dist, pos, neg, self.m1, self.m2)
         if self.mining == "ms":
             mp, mn = multi_similarity_mining(-dist, pos, neg, self.eps)

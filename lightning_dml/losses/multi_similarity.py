@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 from torch import Tensor
 
@@ -73,7 +71,7 @@ class MultiSimilarityLoss(PairLoss):
             f"weighting={self.weighting}, plus_one={self.plus_one}, on_empty={self.on_empty!r}"
         )
 
-    def mine(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tuple[Tensor, Tensor]:
+    def mine(self, sim: Tensor, pos: Tensor, neg: Tensor) -> tuple[Tensor, Tensor]:
         """Mined positive and negative masks (MS Eqs. 11-12, or all pairs without mining)."""
         if self.mining:
             return multi_similarity_mining(sim, pos, neg, self.eps)
@@ -99,12 +97,12 @@ class MultiSimilarityLoss(PairLoss):
             per_anchor = torch.where(kp.any(1), lp, 0.0) + torch.where(kn.any(1), ln, 0.0)
         return (per_anchor * keep).sum() / sim.shape[0]
 
-    def compute(self, anchors: Tensor, labels: Tensor, gallery: Optional[Tensor], gallery_labels: Tensor) -> Tensor:
+    def compute(self, anchors: Tensor, labels: Tensor, gallery: Tensor | None, gallery_labels: Tensor) -> Tensor:
         """Closed form on float 0/1 masks (same formulas as :meth:`pair_loss_and_grad`, fewer slow bool kernels)."""
         if not (self.closed_form and self.weighting):
             return super().compute(anchors, labels, gallery, gallery_labels)
 
-        def fn(raw: Tensor) -> Tuple[Tensor, Tensor]:
+        def fn(raw: Tensor) -> tuple[Tensor, Tensor]:
             sim = raw.clamp(-1.0, 1.0)
             posf, negf = _float_label_masks(labels, gallery_labels, sim.dtype)
             has_pos, has_neg = posf.amax(1) > 0, negf.amax(1) > 0
@@ -128,7 +126,7 @@ class MultiSimilarityLoss(PairLoss):
 
         return ClosedFormPairFunction.apply(anchors, gallery, fn)
 
-    def _lse_weights(self, sim: Tensor, kept: Tensor, scale: float, hardest: Tensor, sign: float) -> Tuple[Tensor, Tensor]:
+    def _lse_weights(self, sim: Tensor, kept: Tensor, scale: float, hardest: Tensor, sign: float) -> tuple[Tensor, Tensor]:
         """``log([1 +] sum_kept exp(sign*scale*(S - lam)))`` per row and its softmax weights (float masks)."""
         shift = sign * scale * (hardest - self.lam)
         nonempty = kept.amax(1) > 0
@@ -146,7 +144,7 @@ class MultiSimilarityLoss(PairLoss):
             lse = torch.where(nonempty, shift + torch.log(total.clamp(min=torch.finfo(sim.dtype).tiny)), 0.0)
         return e.div_(total.clamp(min=torch.finfo(sim.dtype).tiny)[:, None]), lse
 
-    def pair_loss_and_grad(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tuple[Tensor, Tensor]:
+    def pair_loss_and_grad(self, sim: Tensor, pos: Tensor, neg: Tensor) -> tuple[Tensor, Tensor]:
         kp, kn = self.mine(sim, pos, neg)
         keep = self._anchor_weight(kp, kn, sim.dtype)[:, None] / sim.shape[0]
         if not self.weighting:
@@ -164,7 +162,7 @@ class MultiSimilarityLoss(PairLoss):
         return loss, grad
 
 
-def _lse_and_softmax(x: Tensor, plus_one: bool) -> Tuple[Tensor, Tensor]:
+def _lse_and_softmax(x: Tensor, plus_one: bool) -> tuple[Tensor, Tensor]:
     """Row-wise ``log([1 +] sum exp x)`` and its gradient (softmax with an optional virtual zero logit).
 
     Entries equal to ``-inf`` are masked; an all-masked row gives 0 and zero weights. Exponents are raised to
@@ -192,7 +190,7 @@ def _step(x: Tensor) -> Tensor:
     return torch.sign(x).clamp_(min=0.0)
 
 
-def _float_label_masks(labels: Tensor, gallery_labels: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+def _float_label_masks(labels: Tensor, gallery_labels: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(pos, neg)`` as 0/1 float matrices (self-pairs removed by index); labels are first renumbered 0..C-1
     so that they are exact in floating point."""
     B = labels.shape[0]

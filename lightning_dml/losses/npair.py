@@ -1,21 +1,23 @@
-"""Multi-class N-pair loss and its one-vs-one variant (Sohn, NeurIPS 2016, Eqs. 7-8)."""
+"""Multi-class N-pair loss, its one-vs-one and multi-positive variants (Sohn, NeurIPS 2016, Eqs. 7-9)."""
 
 from __future__ import annotations
-
-from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_dml.losses.base import PairLoss
+from lightning_dml.losses.base import PairLoss, masked_lse
+from lightning_dml.miners import label_masks
+from lightning_dml.scaling import common_power_of_two_scale
 
 __all__ = ["NPairLoss", "npair_indices"]
 
-_VARIANTS = ("mc", "ovo")
+_VARIANTS = ("mc", "ovo", "multi_positive")
+#: largest embedding entry for which the fp32 computation cannot overflow (logits up to 2**64 D)
+_FP32_SAFE_ENTRY = 2.0**32
 
 
-def npair_indices(labels: Tensor) -> Tuple[Tensor, Tensor]:
+def npair_indices(labels: Tensor) -> tuple[Tensor, Tensor]:
     """The N-pair structure of a batch: for every class with at least two samples, its first two occurrences.
 
     Returns ``(anchor_index, positive_index)``, each ``[N]``, ordered by label. Extra samples of a class beyond
@@ -32,6 +34,20 @@ def npair_indices(labels: Tensor) -> Tuple[Tensor, Tensor]:
     return order[first[has_pair]], order[second[has_pair]]
 
 
+def scaled_for_inner_products(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``(x / s, s)``: ``x`` divided by a power of two ``s >= 1`` near its largest entry (exact), so that raw inner
+    products ``(x/s)(x/s)^T`` cannot overflow; the caller multiplies differences of logits back by ``s`` twice.
+
+    Raw inner products are not scale-invariant: entries beyond ``2**32`` would give gradients that overflow fp32
+    intermediates (the gradient w.r.t. ``x/s`` is ``s`` times the true one), so such (degenerate) inputs are
+    computed in fp64 and the loss cast back (``inf`` where the true value exceeds fp32). One host read decides.
+    """
+    if x.dtype != torch.float64 and bool(x.detach().abs().amax() > _FP32_SAFE_ENTRY):
+        x = x.double()
+    scale = common_power_of_two_scale(x).clamp(min=1.0)
+    return x / scale, scale
+
+
 class NPairLoss(PairLoss):
     r"""Multi-class N-pair loss (N-pair paper Eq. 7) or N-pair-ovo (Eq. 8), with L2 regularisation (Sec. 3.2.2).
 
@@ -42,14 +58,22 @@ class NPairLoss(PairLoss):
     * ``"mc"``: ``L = 1/N sum_i log(1 + sum_{j != i} exp(l_ij - l_ii)) = CrossEntropy(l, arange(N))``;
       ``symmetric=True`` averages it with the swapped roles ``CrossEntropy(l^T, arange(N))`` (footnote 2);
     * ``"ovo"``: ``L = 1/N sum_i sum_{j != i} log(1 + exp(l_ij - l_ii))`` (symmetric: averaged likewise);
+    * ``"multi_positive"``: the NCA-style loss of Eq. 9 (Sec. 4.4) for batches with several samples per class:
+      every sample ``i`` of the batch is an anchor, ``L = mean_i -log( sum_{j != i, y_j = y_i} exp(f_i^T f_j) /
+      sum_{j != i} exp(f_i^T f_j) )`` over the anchors with at least one positive (Eq. 9's ``1/2N`` for its
+      batches, where every sample has one); ``symmetric`` does not apply (Eq. 9 is symmetric already);
 
-    plus ``l2_reg * mean ||f||^2`` over the ``2N`` embeddings of the pairs. The paper gives no coefficient;
+    plus ``l2_reg * mean ||f||^2`` over the ``2N`` embeddings of the pairs (``"multi_positive"``: of the anchors). The paper gives no coefficient;
     0.005 is the common re-implementation value (the TF/Paddle ports use ``0.25 * 0.002 * (mean||a||^2 +
     mean||p||^2)``, i.e. our ``l2_reg = 0.001`` reproduces them).
 
     The pair structure is fixed by the batch, so reference embeddings are refused (ValueError).
 
-    Degenerate batches: no class with two samples -> 0; a single pair (N = 1) -> only the regulariser.
+    Degenerate batches: no class with two samples -> 0; a single pair (N = 1) -> only the regulariser
+    (``"multi_positive"``: a single-class batch gives 0 plus the regulariser).
+    Embeddings of any magnitude give the true value (``inf`` where it exceeds the float range, never NaN) and,
+    where the value is finite, the true gradient: logits are formed from embeddings divided by a power of two,
+    and entries beyond ``2**32`` are computed in fp64.
     """
 
     normalize = False
@@ -66,25 +90,54 @@ class NPairLoss(PairLoss):
     def extra_repr(self) -> str:
         return f"l2_reg={self.l2_reg}, symmetric={self.symmetric}, variant={self.variant!r}"
 
-    def _one_direction(self, logits: Tensor) -> Tensor:
-        target = torch.arange(logits.shape[0], device=logits.device)
-        if self.variant == "mc":
-            return F.cross_entropy(logits, target)
-        off = ~torch.eye(logits.shape[0], dtype=torch.bool, device=logits.device)
-        diff = logits - logits.diagonal()[:, None]
-        return (F.softplus(diff) * off).sum(1).mean()
+    def _one_direction(self, logits: Tensor, scale: Tensor) -> Tensor:
+        """Eq. 7 / Eq. 8 from the logits of scaled-down embeddings (true logits = ``logits * scale**2``).
 
-    def compute(self, anchors: Tensor, labels: Tensor, gallery: Optional[Tensor], gallery_labels: Tensor) -> Tensor:
+        The differences ``l_ij - l_ii`` are formed before scaling back (the diagonal is exactly 0, so a logit
+        beyond the float range gives an infinite loss, never ``inf - inf``), in two steps of ``scale`` (exact).
+        """
+        diff = (logits - logits.diagonal()[:, None]) * scale * scale
+        if self.variant == "mc":
+            # cross-entropy with target i = log sum_j exp(l_ij - l_ii) (the j = i term is exp(0) = 1)
+            return torch.logsumexp(diff, dim=1).mean()
+        off = ~torch.eye(logits.shape[0], dtype=torch.bool, device=logits.device)
+        return F.softplus(diff).masked_fill(~off, 0.0).sum(1).mean()
+
+    def _multi_positive(self, anchors: Tensor, labels: Tensor) -> Tensor:
+        """Eq. 9 over every anchor with a positive, overflow-safe as the other variants (see ``compute``)."""
+        pos, neg = label_masks(labels)
+        valid = pos.any(dim=1)
+        if not bool(valid.any()):
+            return anchors.sum() * 0.0
+        x, scale = scaled_for_inner_products(anchors)
+        logits = x @ x.T
+        fill = ~valid[:, None]
+        others = pos | neg | fill
+        # shift each row by its largest logit before scaling back, in two exact steps of ``scale``
+        shift = logits.masked_fill(~others, -torch.inf).amax(dim=1, keepdim=True).detach()
+        diff = (logits - shift) * scale * scale
+        per_anchor = masked_lse(diff, others) - masked_lse(diff, pos | fill)
+        loss = torch.where(valid, per_anchor, 0.0).sum() / valid.sum()
+        if self.l2_reg > 0:
+            squared_norms = (x.pow(2).sum(dim=1) * valid).sum() / valid.sum()
+            loss = loss + squared_norms * scale * scale * self.l2_reg
+        return loss.to(anchors.dtype)
+
+    def compute(self, anchors: Tensor, labels: Tensor, gallery: Tensor | None, gallery_labels: Tensor) -> Tensor:
+        if self.variant == "multi_positive":
+            return self._multi_positive(anchors, labels)
         a_idx, p_idx = npair_indices(labels)
         if a_idx.numel() == 0:
             return anchors.sum() * 0.0
         n = a_idx.shape[0]
         both = anchors[torch.cat([a_idx, p_idx])]  # one gather (one scatter in the backward)
+        both, scale = scaled_for_inner_products(both)
         a, p = both[:n], both[n:]
         logits = a @ p.T
-        loss = self._one_direction(logits)
+        loss = self._one_direction(logits, scale)
         if self.symmetric:
-            loss = 0.5 * (loss + self._one_direction(logits.T))
+            loss = 0.5 * (loss + self._one_direction(logits.T, scale))
         if self.l2_reg > 0:
-            loss = loss + self.l2_reg * 0.5 * (a.pow(2).sum(1).mean() + p.pow(2).sum(1).mean())
-        return loss
+            squared_norms = 0.5 * (a.pow(2).sum(1).mean() + p.pow(2).sum(1).mean())
+            loss = loss + squared_norms * scale * scale * self.l2_reg
+        return loss.to(anchors.dtype)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 from torch import Tensor
 
@@ -83,7 +81,7 @@ class TripletLoss(PairLoss):
             return considered_count.clamp(min=1)
         return active.sum().clamp(min=1)
 
-    def pair_loss_and_grad(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tuple[Tensor, Tensor]:
+    def pair_loss_and_grad(self, sim: Tensor, pos: Tensor, neg: Tensor) -> tuple[Tensor, Tensor]:
         dist, d_dist = distance_and_derivative(sim, self.squared)
         if self.mining == "batch_hard":
             hard_pos, hard_neg = batch_hard_mining(dist, pos, neg)
@@ -107,7 +105,7 @@ class TripletLoss(PairLoss):
         return loss, grad_dist.div_(count).mul_(d_dist)
 
     # --------------------------------------------------------------------------- fast closed form ("all")
-    def compute(self, anchors: Tensor, labels: Tensor, gallery: Optional[Tensor], gallery_labels: Tensor) -> Tensor:
+    def compute(self, anchors: Tensor, labels: Tensor, gallery: Tensor | None, gallery_labels: Tensor) -> Tensor:
         """Closed form for ``mining="all"`` on float ``[B, K, N]`` tensors, positives from the sorted labels."""
         if not self.closed_form or self.mining != "all":
             return super().compute(anchors, labels, gallery, gallery_labels)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -16,7 +15,7 @@ __all__ = ["TupletMarginLoss"]
 _NEGATIVES = ("random_per_class", "all")
 
 
-def _one_negative_per_class(candidates: Tensor, gallery_labels: Tensor, generator: Optional[torch.Generator]) -> Tensor:
+def _one_negative_per_class(candidates: Tensor, gallery_labels: Tensor, generator: torch.Generator | None) -> Tensor:
     """For every row, keep one uniformly random True column of ``candidates`` per gallery class (TML Sec. 3.2)."""
     classes = torch.unique(gallery_labels, return_inverse=True)[1]
     keys = torch.rand(candidates.shape, device=candidates.device, generator=generator)
@@ -60,7 +59,7 @@ class TupletMarginLoss(PairLoss):
         variance_eps: float = 0.01,
         negatives: str = "random_per_class",
         detach_mean: bool = False,
-        seed: Optional[int] = None,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         if scale <= 0:
@@ -74,7 +73,7 @@ class TupletMarginLoss(PairLoss):
         self.scale, self.slack = float(scale), float(slack)
         self.variance_weight, self.variance_eps = float(variance_weight), float(variance_eps)
         self.negatives, self.detach_mean = negatives, detach_mean
-        self._generator: Optional[torch.Generator] = None
+        self._generator: torch.Generator | None = None
         self.seed = seed
 
     def extra_repr(self) -> str:
@@ -83,14 +82,14 @@ class TupletMarginLoss(PairLoss):
             f"variance_eps={self.variance_eps}, negatives={self.negatives!r}, detach_mean={self.detach_mean}"
         )
 
-    def _gen(self, device: torch.device) -> Optional[torch.Generator]:
+    def _gen(self, device: torch.device) -> torch.Generator | None:
         if self.seed is None:
             return None
         if self._generator is None or self._generator.device != device:
             self._generator = torch.Generator(device=device).manual_seed(self.seed)
         return self._generator
 
-    def compute(self, anchors: Tensor, labels: Tensor, gallery: Optional[Tensor], gallery_labels: Tensor) -> Tensor:
+    def compute(self, anchors: Tensor, labels: Tensor, gallery: Tensor | None, gallery_labels: Tensor) -> Tensor:
         g = anchors if gallery is None else gallery
         sim = similarity_matrix(anchors, g)
         pos, neg = label_masks(labels, gallery_labels)

@@ -9,8 +9,6 @@ these same functions.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import torch
 from torch import Tensor
 
@@ -27,7 +25,7 @@ __all__ = [
 ]
 
 
-def self_pair_mask(num_anchors: int, num_gallery: int, device: Optional[torch.device] = None) -> Tensor:
+def self_pair_mask(num_anchors: int, num_gallery: int, device: torch.device | None = None) -> Tensor:
     """``B x N`` mask that is True at the self-pairs ``(i, i)``, by index (SPEC 0.3 rule 3).
 
     The gallery is the batch followed by reference items, so anchor ``i`` is gallery column ``i``.
@@ -37,7 +35,7 @@ def self_pair_mask(num_anchors: int, num_gallery: int, device: Optional[torch.de
     return rows == cols
 
 
-def label_masks(labels: Tensor, gallery_labels: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+def label_masks(labels: Tensor, gallery_labels: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Positive and negative pair masks ``Mpos``, ``Mneg`` (SPEC 0.2).
 
     Args:
@@ -56,7 +54,7 @@ def label_masks(labels: Tensor, gallery_labels: Optional[Tensor] = None) -> Tupl
     return pos, ~same
 
 
-def positive_pairs(labels: Tensor, gallery_labels: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+def positive_pairs(labels: Tensor, gallery_labels: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """All positive pairs ``(i, j)`` (same label, ``j != i`` by index) as index lists, without a ``B x N`` mask.
 
     Same pairs as ``label_masks(...)[0].nonzero()`` (in another order), in ``O(B K_max + N log N)`` from sorted
@@ -66,7 +64,7 @@ def positive_pairs(labels: Tensor, gallery_labels: Optional[Tensor] = None) -> T
     return rows[valid], cols[valid]
 
 
-def positive_table(labels: Tensor, gallery_labels: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+def positive_table(labels: Tensor, gallery_labels: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``[B, K]`` tables ``(rows, cols, valid)`` of each anchor's positives from sorted labels (no ``B x N`` mask).
 
     ``cols[i, r]`` is a positive of anchor ``i`` where ``valid[i, r]``; ``K`` is the largest class count.
@@ -87,7 +85,7 @@ def positive_table(labels: Tensor, gallery_labels: Optional[Tensor] = None) -> T
 
 def threshold_mining(
     dist: Tensor, pos: Tensor, neg: Tensor, pos_threshold: float, neg_threshold: float, strict: bool = False
-) -> Tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor]:
     """Pair thresholds on distances (GPW Eqs. 16-17; RLL non-trivial pairs with ``strict=True``).
 
     Keeps a positive if ``D >= pos_threshold`` (``>`` when strict) and a negative if ``D <= neg_threshold``
@@ -98,7 +96,7 @@ def threshold_mining(
     return pos & (dist >= pos_threshold), neg & (dist <= neg_threshold)
 
 
-def multi_similarity_mining(sim: Tensor, pos: Tensor, neg: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
+def multi_similarity_mining(sim: Tensor, pos: Tensor, neg: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     """Similarity-P mining of the MS paper (Eqs. 11-12) on a similarity matrix.
 
     Keeps a negative ``j`` of anchor ``i`` if ``S_ij > min_{k in Pos(i)} S_ik - eps`` and a positive ``j`` if
@@ -114,7 +112,7 @@ def multi_similarity_mining(sim: Tensor, pos: Tensor, neg: Tensor, eps: float) -
     return keep_pos, keep_neg
 
 
-def triplet_margin_pair_mining(dist: Tensor, pos: Tensor, neg: Tensor, margin: float) -> Tuple[Tensor, Tensor]:
+def triplet_margin_pair_mining(dist: Tensor, pos: Tensor, neg: Tensor, margin: float) -> tuple[Tensor, Tensor]:
     """Pairs that take part in at least one triplet kept by the triplet margin rule (GPW Eq. 19).
 
     A triplet ``(i, j, k)`` is kept if ``D_ij + margin >= D_ik``. A positive takes part in one if
@@ -126,7 +124,7 @@ def triplet_margin_pair_mining(dist: Tensor, pos: Tensor, neg: Tensor, margin: f
     return pos & (dist + margin >= hardest_neg), neg & (dist <= hardest_pos + margin)
 
 
-def batch_hard_mining(dist: Tensor, pos: Tensor, neg: Tensor) -> Tuple[Tensor, Tensor]:
+def batch_hard_mining(dist: Tensor, pos: Tensor, neg: Tensor) -> tuple[Tensor, Tensor]:
     """Batch-hard mining (GPW Eq. 20, Hermans et al.): per anchor the farthest positive and the closest negative.
 
     Returns one-hot ``B x N`` masks; an anchor without positives (negatives) gets an all-False row. Ties are
@@ -140,7 +138,7 @@ def batch_hard_mining(dist: Tensor, pos: Tensor, neg: Tensor) -> Tuple[Tensor, T
     return hard_pos, hard_neg
 
 
-def positive_index(pos: Tensor) -> Tuple[Tensor, Tensor]:
+def positive_index(pos: Tensor) -> tuple[Tensor, Tensor]:
     """Each anchor's positives gathered into a ``[B, K_max]`` index tensor (SPEC 9.2: never a B^3 tensor).
 
     Returns:
@@ -158,7 +156,7 @@ def positive_index(pos: Tensor) -> Tuple[Tensor, Tensor]:
 
 def triplet_margin_mining(
     dist: Tensor, pos: Tensor, neg: Tensor, margin: float
-) -> Tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """Triplets kept by the triplet margin rule (GPW Eq. 19) without a B^3 tensor.
 
     Returns:
