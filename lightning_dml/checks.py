@@ -3,6 +3,10 @@
 Every loss of this library learns from positive pairs (two images of one class in a batch): the P x K sampler
 provides them when K >= 2, the N-pair sampler by construction. A batch without any positive pair gives a zero
 or meaningless loss, and a run configured that way would train for hours without learning, so it is an error.
+
+The checks read what each loss declares as class attributes (its anatomy, see
+:class:`~lightning_dml.losses.base.PairLoss`: ``needs_positive_pairs``, ``required_sampler``, ``gather_mode``),
+never its class name.
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ def check_fit_combination(loss: Any, datamodule: Any) -> None:
         return
     k = getattr(datamodule, "samples_per_class", None)
     if k is not None and int(k) < 2:
-        npair = _loss_name(loss) == "NPairLoss"
-        hint = "set samples_per_class: 2 with sampler: npair" if npair else "set samples_per_class >= 2"
+        sampler = getattr(loss, "required_sampler", None)
+        hint = f"set samples_per_class: 2 with sampler: {sampler}" if sampler else "set samples_per_class >= 2"
         raise ValueError(
             f"{_loss_name(loss)} needs positive pairs, but {type(datamodule).__name__} draws samples_per_class={k} "
             f"image per class per batch, so no batch holds two images of one class: {hint}"
@@ -46,11 +50,36 @@ def check_training_batch(loss: Any, labels: torch.Tensor) -> None:
         return
     if labels.numel() and torch.unique(labels).numel() == labels.numel():
         n = labels.numel()
+        sampler = getattr(loss, "required_sampler", None)
+        use = f"the {sampler} sampler" if sampler else "the P x K sampler with samples_per_class >= 2"
         raise ValueError(
             f"{_loss_name(loss)} needs positive pairs, but the training batch of {n} items has {n} distinct "
-            "labels (no two images of one class): use the P x K sampler with samples_per_class >= 2 (the N-pair "
-            "sampler for NPairLoss)"
+            f"labels (no two images of one class): use {use}"
         )
 
 
-__all__ = ["check_fit_combination", "check_training_batch"]
+def check_gather_combination(loss: Any, gather_distributed: bool) -> None:
+    """Raise ``ValueError`` naming the loss and ``gather_distributed`` when the loss declares that it cannot run
+    with ``gather_distributed=True`` (``gather_mode = None``; see :mod:`lightning_dml.losses.distributed`)."""
+    if not gather_distributed or getattr(loss, "gather_mode", None) is not None:
+        return
+    name = _loss_name(loss)
+    if getattr(loss, "required_sampler", None):
+        reason = (
+            f"its batch structure is fixed ({loss.required_sampler} sampler), so it cannot score its batch against "
+            "the other processes' embeddings"
+        )
+    elif not getattr(loss, "needs_positive_pairs", True):
+        reason = (
+            "its per-sample terms against the class proxies need no other process's batch: under DDP it already "
+            "equals one process holding the global batch"
+        )
+    else:
+        reason = "it declares gather_mode=None"
+    raise ValueError(
+        f"gather_distributed=True cannot be used with {name}: {reason}. Set gather_distributed: false "
+        f"(DMLModule) or choose a loss that supports gathering"
+    )
+
+
+__all__ = ["check_fit_combination", "check_gather_combination", "check_training_batch"]

@@ -11,8 +11,9 @@ import torch
 from pytorch_lightning.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 
-from lightning_dml.checks import check_fit_combination, check_training_batch
+from lightning_dml.checks import check_fit_combination, check_gather_combination, check_training_batch
 from lightning_dml.losses import build_loss
+from lightning_dml.losses.distributed import gathered_loss
 from lightning_dml.metrics import RetrievalMetrics, progress_bars
 from lightning_dml.models.backbones import check_levels
 from lightning_dml.models.heads import LinearEmbedding, MultiLevelEmbedding
@@ -60,7 +61,10 @@ class DMLModule(pl.LightningModule):
         recall_at: the K of the logged Recall@K.
         clustering: also compute NMI and F1 of a k-means clustering at evaluation.
         gather_distributed: under DDP, score each process's batch against the embeddings of all processes
-            (autograd-aware all-gather), so every anchor sees the negatives of the global batch.
+            (autograd-aware all-gather), so every anchor sees the negatives of the global batch: the loss and
+            the gradients equal one process holding the global batch, for every loss and reduction option
+            (:mod:`lightning_dml.losses.distributed`). Losses that declare ``gather_mode = None`` (N-pair, the
+            per-sample proxy and classification losses) are rejected when fit starts.
         fusion: ``"none"``: one embedding of the backbone's last stage. ``"concat"``: one ``embedding_dim``-wide
             embedding per backbone level (BN-Inception inception-3c/4e/5b, ResNet stages 2/3/4), concatenated
             (``3 * embedding_dim`` wide) and trained with one loss on the concatenation (GPW "v2", SPEC 2.7 [I]).
@@ -254,16 +258,15 @@ class DMLModule(pl.LightningModule):
     def _pair_loss(self, embeddings: torch.Tensor, labels: torch.Tensor, loss: nn.Module | None = None) -> torch.Tensor:
         loss = self.loss if loss is None else loss
         if self.gather_distributed and self.trainer.world_size > 1:
-            from lightning_dml.losses.distributed import gather_from_other_ranks
-
-            ref_embeddings, ref_labels = gather_from_other_ranks(embeddings, labels)
-            return loss(embeddings, labels, ref_embeddings=ref_embeddings, ref_labels=ref_labels)
+            # each loss's declared gather_mode: equal to one process holding the global batch (losses.distributed)
+            return gathered_loss(loss, embeddings, labels)
         return loss(embeddings, labels)
 
     def setup(self, stage: str) -> None:
         if stage == "fit":  # before any step: a loss and sampler that give no positive pairs cannot train
             datamodule = getattr(self.trainer, "datamodule", None)
             check_fit_combination(self.loss, datamodule)
+            check_gather_combination(self.loss, self.gather_distributed)
             self._complete_losses(datamodule)
 
     def training_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -277,11 +280,12 @@ class DMLModule(pl.LightningModule):
             losses = self.trained_losses() if self.level_losses is not None else [self.loss] * len(embeddings)
             level_losses = [self._pair_loss(e, labels, f) for e, f in zip(embeddings, losses)]
             for name, value in zip(self.backbone.level_names, level_losses):
-                self.log(f"train/loss_{name}", value, batch_size=batch_size)
+                self.log(f"train/loss_{name}", value, batch_size=batch_size, sync_dist=self.gather_distributed)
             loss = torch.stack(level_losses).sum()
         else:
             loss = self._pair_loss(self(images), labels)
-        self.log("train/loss", loss, prog_bar=True, batch_size=batch_size)
+        # with gather_distributed the processes' values average to the global-batch loss (losses.distributed)
+        self.log("train/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=self.gather_distributed)
         return loss
 
     # ------------------------------------------------------------------ training tricks

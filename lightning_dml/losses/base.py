@@ -7,18 +7,47 @@ gallery items (the batch itself plus optional reference items), boolean masks fr
 * :func:`check_inputs` - shape / dtype / device / NaN-Inf validation with ``ValueError`` naming the problem,
 * :func:`similarity_matrix`, :func:`distance_from_similarity` - SPEC 0.3 numerics (fp32, clamp, sqrt floor 1e-12),
 * :func:`lse0`, :func:`masked_softmax` - masked log-sum-exp ``log(1 + sum exp)`` and masked softmax (SPEC 0.2),
-* :class:`PairLoss` - the ``loss(embeddings, labels, ref_embeddings=None, ref_labels=None)`` interface, and
+* :class:`PairLoss` - the ``loss(embeddings, labels, ref_embeddings=None, ref_labels=None)`` interface and the
+  class attributes every loss declares (its "anatomy", read by :mod:`lightning_dml.checks` and the module),
+* :func:`global_reduction` / :func:`batch_normaliser` - batch-wide reductions under DDP (see below), and
 * :class:`ClosedFormPairFunction` - one autograd function whose backward is ``(W + W^T) F``, used by losses that
   know their pair weights ``W = dL/dS`` in closed form (GPW Eq. 4 / MS Eq. 2).
+
+Batch-wide reductions under DDP (``DMLModule(gather_distributed=True)``, ``gather_mode = "references"``)
+------------------------------------------------------------------------------------------------------
+Process ``r`` of ``W`` holds ``B_r`` anchors and scores them against the global batch (its own rows plus the other
+processes' rows as references, gathered with an autograd-aware all-gather). Every such loss is a sum of terms over
+(anchor, gallery) pairs or anchors, divided by a batch-wide normaliser ``N`` (a count of pairs, of non-zero terms,
+of anchors; ``N = 1`` for a ``sum`` reduction). The single-process loss of the global batch is
+``L = (sum_r T_r) / N_global`` with ``T_r`` the sum of process ``r``'s terms and ``N_global = sum_r N_r``.
+Process ``r`` returns ``L_r = W T_r / N_global``:
+
+* value: the mean of ``L_r`` over the processes is ``L`` (what Lightning's ``sync_dist`` logging shows);
+* gradient: the all-gather's backward hands every process the sum, over all processes, of the gradients of its own
+  rows, so process ``r``'s parameter gradient is ``d(sum_s L_s)/d(theta_r)``; DDP then averages the parameter
+  gradients over the ``W`` processes: ``(1/W) d(sum_s L_s)/d(theta) = d(sum_s T_s / N_global)/d(theta) = dL/d(theta)``.
+  Loss parameters (a learnable margin) get ``(1/W) sum_s dL_s/d(beta) = dL/d(beta)`` the same way.
+
+So a ``sum`` reduction is multiplied by ``W`` on each process, and a mean divides by the all-reduced count and
+multiplies by ``W``: :func:`batch_normaliser` returns ``N_global / W`` (``1 / W`` for a sum) inside
+:func:`global_reduction`, and ``max(N, 1)`` (``1``) outside it; the counts are detached (they carry no gradient)
+and all-reduced in one collective per call. Every process must call it the same number of times per loss call.
+Losses whose terms couple anchors beyond such a normaliser declare ``gather_mode = "global_batch"`` instead (see
+:mod:`lightning_dml.losses.distributed`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_dml.distributed import get_world_size
 from lightning_dml.input_checks import check_embeddings, check_finite, check_labels, check_same_device
 from lightning_dml.miners import label_masks
 from lightning_dml.scaling import l2_normalize
@@ -36,6 +65,9 @@ __all__ = [
     "masked_lse",
     "masked_softmax",
     "masked_mean",
+    "GATHER_MODES",
+    "global_reduction",
+    "batch_normaliser",
     "ClosedFormPairFunction",
     "PairLoss",
 ]
@@ -44,6 +76,46 @@ __all__ = [
 DIST_EPS = 1e-12
 
 PairGradFn = Callable[[Tensor], tuple[Tensor, object]]
+
+#: values of a loss's ``gather_mode`` (``None``: the loss cannot be trained with ``gather_distributed=True``)
+GATHER_MODES = ("references", "global_batch")
+
+_GLOBAL_REDUCTION: ContextVar[bool] = ContextVar("lightning_dml_global_reduction", default=False)
+
+
+@contextmanager
+def global_reduction(enabled: bool = True) -> Iterator[None]:
+    """Within this context the losses' :func:`batch_normaliser` reduces over all DDP processes (module docstring).
+
+    Entered by :func:`lightning_dml.losses.distributed.gathered_loss` around a ``"references"`` loss call; outside a
+    distributed run (world size 1) it changes nothing.
+    """
+    token = _GLOBAL_REDUCTION.set(enabled)
+    try:
+        yield
+    finally:
+        _GLOBAL_REDUCTION.reset(token)
+
+
+def batch_normaliser(count: Tensor | int | None, like: Tensor) -> Tensor:
+    """The divisor of a batch-wide reduction: ``max(count, 1)``, or ``1`` for a sum (``count=None``).
+
+    Inside :func:`global_reduction` under DDP: ``max(sum over processes of count, 1) / W`` (``1 / W`` for a sum),
+    so that ``total / batch_normaliser(count)`` makes the processes' losses sum to ``W`` times the global-batch loss
+    (derivation in the module docstring). ``count`` may hold several counts (one collective for all); it is
+    detached. ``like`` gives the dtype and device of the result.
+    """
+    world = get_world_size() if _GLOBAL_REDUCTION.get() else 1
+    if count is None:
+        return torch.full((), 1.0 / world, dtype=like.dtype, device=like.device)
+    if isinstance(count, Tensor):
+        count = count.detach()
+    else:  # a host count (number of anchors): a fill, no host-to-device copy
+        count = torch.full((), int(count), dtype=torch.long, device=like.device)
+    if world > 1:
+        count = count.clone()  # integer counts are summed exactly
+        dist.all_reduce(count)
+    return count.to(like.dtype).clamp(min=1) / world
 
 
 def check_inputs(
@@ -143,7 +215,7 @@ def masked_softmax(x: Tensor, mask: Tensor, dim: int = 1) -> Tensor:
 
 
 def masked_mean(x: Tensor, mask: Tensor, dim: int = 1) -> Tensor:
-    """Mean of ``x`` over the True entries of ``mask``; an empty row gives 0."""
+    """Mean of ``x`` over the True entries of ``mask``; an empty row gives 0 (a per-row mean: local to the row)."""
     return (x * mask).sum(dim=dim) / mask.sum(dim=dim).clamp(min=1)
 
 
@@ -209,10 +281,27 @@ class PairLoss(nn.Module):
     index) and the ``M`` references; the reduction is over the ``B`` batch anchors.
     """
 
+    # ---- the loss's anatomy: what it needs and supports (read by lightning_dml.checks and DMLModule; a subclass
+    # overrides them as class attributes, or per instance where an option changes them)
     #: whether the loss L2-normalises the embeddings (all but N-pair)
     normalize: bool = True
-    #: whether the loss can score the batch against reference items
+    #: whether the loss can score the batch against reference items (``ref_embeddings``)
     supports_ref: bool = True
+    #: whether every training batch must hold a positive pair (two items of one class)
+    needs_positive_pairs: bool = True
+    #: whether the loss holds learnable parameters (its own optimizer group in ``DMLModule``)
+    has_parameters: bool = False
+    #: whether the loss needs ``num_classes`` (filled in by ``DMLModule`` through its ``complete`` method)
+    needs_num_classes: bool = False
+    #: the batch sampler the loss's batch structure needs (``"npair"``), or None for any P x K batch
+    required_sampler: str | None = None
+    #: how the loss runs under ``DMLModule(gather_distributed=True)``
+    #: (:func:`lightning_dml.losses.distributed.gathered_loss`): ``"references"`` - each process scores its
+    #: anchors against the other processes' embeddings with batch-wide :func:`batch_normaliser` reductions;
+    #: ``"global_batch"`` - every process computes the loss of the whole gathered batch (for losses whose terms
+    #: couple anchors; exact, at W times the loss's compute); ``None`` - not supported, rejected when fit starts.
+    #: The default is the one that is exact for any deterministic loss.
+    gather_mode: str | None = "global_batch"
 
     def __init__(self) -> None:
         super().__init__()

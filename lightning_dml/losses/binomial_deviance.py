@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_dml.losses.base import PairLoss, masked_mean
+from lightning_dml.losses.base import PairLoss, batch_normaliser, masked_mean
+from lightning_dml.losses.registry import register_loss
 
 __all__ = ["BinomialDevianceLoss"]
 
 
+@register_loss("binomial_deviance")
 class BinomialDevianceLoss(PairLoss):
     r"""Binomial deviance loss (MS paper Eq. 9; Yi et al.).
 
@@ -29,6 +31,9 @@ class BinomialDevianceLoss(PairLoss):
     Degenerate batches: an anchor without positives (negatives) has a zero positive (negative) term.
     """
 
+    #: under DDP: anchors scored against the gathered batch, batch-wide reductions (losses.base)
+    gather_mode = "references"
+
     def __init__(self, alpha: float = 2.0, beta: float = 50.0, lam: float = 0.5) -> None:
         super().__init__()
         if not alpha > 0 or not beta > 0:
@@ -41,4 +46,4 @@ class BinomialDevianceLoss(PairLoss):
     def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
         lp = masked_mean(F.softplus(self.alpha * (self.lam - sim)), pos)
         ln = masked_mean(F.softplus(self.beta * (sim - self.lam)), neg)
-        return (lp + ln).sum() / sim.shape[0]
+        return (lp + ln).sum() / batch_normaliser(sim.shape[0], sim)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_dml.losses.base import ClosedFormPairFunction, PairLoss, distance_and_derivative, distance_from_similarity
+from lightning_dml.losses.base import ClosedFormPairFunction, PairLoss, batch_normaliser, distance_and_derivative
+from lightning_dml.losses.base import distance_from_similarity
 from lightning_dml.losses.base import squared_distance_from_similarity
+from lightning_dml.losses.registry import register_loss
 from lightning_dml.miners import positive_pairs
 
 __all__ = ["ContrastiveLoss", "PAIR_REDUCTIONS", "reduce_pair_terms"]
@@ -19,15 +21,16 @@ def reduce_pair_terms(hinge: Tensor, mask: Tensor, reduction: str) -> Tensor:
 
     ``mean_nonzero``: mean over the pairs with a non-zero term (pytorch-metric-learning's AvgNonZeroReducer; the
     "average operation" of GPW footnote 8); ``mean``: mean over all pairs of the set; ``sum``: the plain sum of
-    the paper's equation. An empty set gives 0.
+    the paper's equation. An empty set gives 0. The count is batch-wide under DDP (:func:`batch_normaliser`).
     """
     total = (hinge * mask).sum()
     if reduction == "sum":
-        return total
+        return total / batch_normaliser(None, total)
     count = (mask & (hinge > 0)).sum() if reduction == "mean_nonzero" else mask.sum()
-    return total / count.clamp(min=1)
+    return total / batch_normaliser(count, total)
 
 
+@register_loss("contrastive")
 class ContrastiveLoss(PairLoss):
     r"""Contrastive loss (GPW Eq. 11; squared forms Eqs. 35 and 36).
 
@@ -53,6 +56,9 @@ class ContrastiveLoss(PairLoss):
     Degenerate batches: no positive (negative) pair or none with a non-zero term -> that term is 0; a batch
     without any active pair gives 0 with zero gradient.
     """
+
+    #: under DDP: anchors scored against the gathered batch, batch-wide reductions (losses.base)
+    gather_mode = "references"
 
     def __init__(
         self,
@@ -89,11 +95,11 @@ class ContrastiveLoss(PairLoss):
         hn = torch.where(neg, self.neg_margin - dist, 0.0).clamp_(min=0.0)
         active_p, active_n = hp > 0, hn > 0
         if self.reduction == "sum":
-            cp = cn = torch.ones((), device=sim.device)
+            cp = cn = batch_normaliser(None, dist)
         elif self.reduction == "mean":
-            cp, cn = pos.sum().clamp(min=1), neg.sum().clamp(min=1)
+            cp, cn = batch_normaliser(torch.stack([pos.sum(), neg.sum()]), dist)
         else:
-            cp, cn = active_p.sum().clamp(min=1), active_n.sum().clamp(min=1)
+            cp, cn = batch_normaliser(torch.stack([active_p.sum(), active_n.sum()]), dist)
         if self.squared_hinge:
             loss = (hp * hp).sum() / cp + (hn * hn).sum() / cn
             grad_dist = (2.0 / cp) * hp - (2.0 / cn) * hn
@@ -135,13 +141,12 @@ class ContrastiveLoss(PairLoss):
                 hn = dxn = raw.new_zeros(0)
                 nr = nc = torch.zeros(0, dtype=torch.long, device=raw.device)
             if self.reduction == "sum":
-                cp = cn = raw.new_ones(())
+                cp = cn = batch_normaliser(None, raw)
             elif self.reduction == "mean":
                 n_pos = pr.numel()
-                cp = raw.new_tensor(float(max(n_pos, 1)))
-                cn = raw.new_tensor(float(max(B * N - n_pos - B, 1)))
+                cp, cn = batch_normaliser(raw.new_tensor([float(n_pos), float(B * N - n_pos - B)]), raw)
             else:
-                cp, cn = (hp > 0).sum().clamp(min=1).to(raw.dtype), (hn > 0).sum().clamp(min=1).to(raw.dtype)
+                cp, cn = batch_normaliser(torch.stack([(hp > 0).sum(), (hn > 0).sum()]), raw)
             if self.squared_hinge:
                 loss = (hp * hp).sum() / cp + (hn * hn).sum() / cn
                 gp, gn = 2.0 * hp / cp, -2.0 * hn / cn

@@ -6,11 +6,12 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dml.losses.base import PairLoss, check_inputs
-from lightning_dml.losses.registry import build_loss
+from lightning_dml.losses.registry import build_loss, register_loss
 
 __all__ = ["CrossBatchMemory"]
 
 
+@register_loss("cross_batch_memory")
 class CrossBatchMemory(nn.Module):
     """Wrap a pair loss and keep the last ``memory_size`` embeddings and labels of earlier batches.
 
@@ -30,6 +31,16 @@ class CrossBatchMemory(nn.Module):
     written (the buffer is not zero-padded into the loss). Extra ``ref_embeddings`` given at call time (DDP) are
     scored too, appended before the memory.
     """
+
+    # anatomy (see PairLoss): under DDP with gather_distributed every process computes the loss of the gathered
+    # global batch and enqueues that batch, so each process's memory equals the single-process memory
+    normalize = True
+    supports_ref = True
+    needs_positive_pairs = True
+    has_parameters = False
+    needs_num_classes = False
+    required_sampler = None
+    gather_mode = "global_batch"
 
     def __init__(
         self,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_dml.losses.base import PairLoss, distance_from_similarity, masked_softmax
+from lightning_dml.losses.base import PairLoss, batch_normaliser, distance_from_similarity, masked_softmax
+from lightning_dml.losses.registry import register_loss
 from lightning_dml.miners import (
     batch_hard_mining,
     multi_similarity_mining,
@@ -29,6 +30,7 @@ _TRIPLET_MINING = ("margin", "batch_hard")
 _WEIGHTING = ("constant", "power", "exp")
 
 
+@register_loss("general_pair_weighting")
 class GeneralPairWeightingLoss(PairLoss):
     r"""General Pair-based Weighting loss (GPW Algorithm 1).
 
@@ -57,6 +59,9 @@ class GeneralPairWeightingLoss(PairLoss):
     Degenerate batches: an anchor without mined pairs (triplets) has ``L_i = 0`` and still counts in 1/B; weights
     that are all 0 (power weights at the boundary) give 0, never 0/0.
     """
+
+    #: under DDP: anchors scored against the gathered batch, batch-wide reductions (losses.base)
+    gather_mode = "references"
 
     def __init__(
         self,
@@ -143,7 +148,7 @@ class GeneralPairWeightingLoss(PairLoss):
         wp = self._weights(xp, kp, self.p, self.alpha, dim=1)
         wn = self._weights(xn, kn, self.q, self.beta, dim=1)
         per_anchor = (wp * torch.relu(xp)).sum(1) + (wn * torch.relu(xn)).sum(1)
-        return per_anchor.sum() / dist.shape[0]
+        return per_anchor.sum() / batch_normaliser(dist.shape[0], dist)
 
     # -------------------------------------------------------------------------------------------- triplet form
     def _triplet_form(self, dist: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
@@ -153,12 +158,12 @@ class GeneralPairWeightingLoss(PairLoss):
             t = (dist * hp).sum(1) - (dist * hn).sum(1) + self.margin
             kept = hp.any(1) & hn.any(1) & (t.detach() >= 0)
             w = self._weights(t[:, None], kept[:, None], self.p, self.alpha, dim=1)[:, 0]
-            return (w * torch.relu(t)).sum() / B
+            return (w * torch.relu(t)).sum() / batch_normaliser(B, dist)
         index, _, kept = triplet_margin_mining(dist.detach(), pos, neg, self.margin)
         t = dist.gather(1, index)[:, :, None] - dist[:, None, :] + self.margin  # [B, K, N]
         flat_t, flat_kept = t.reshape(B, -1), kept.reshape(B, -1)
         w = self._weights(flat_t, flat_kept, self.p, self.alpha, dim=1)
-        return (w * torch.relu(flat_t)).sum() / B
+        return (w * torch.relu(flat_t)).sum() / batch_normaliser(B, dist)
 
     def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
         dist = distance_from_similarity(sim)

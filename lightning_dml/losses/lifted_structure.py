@@ -6,13 +6,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_dml.losses.base import PairLoss, distance_from_similarity, masked_lse
+from lightning_dml.losses.base import PairLoss, batch_normaliser, distance_from_similarity, masked_lse
+from lightning_dml.losses.registry import register_loss
 
 __all__ = ["LiftedStructureLoss"]
 
 _VARIANTS = ("original", "gpw", "generalized", "star")
 
 
+@register_loss("lifted_structure")
 class LiftedStructureLoss(PairLoss):
     r"""Lifted structure loss, one of four variants.
 
@@ -49,6 +51,8 @@ class LiftedStructureLoss(PairLoss):
             raise ValueError(f"alpha and beta must be > 0, got alpha={alpha}, beta={beta}")
         self.margin, self.variant, self.alpha, self.beta = float(margin), variant, float(alpha), float(beta)
         self.supports_ref = variant in ("generalized", "star")
+        # original / gpw couple anchor i's and j's negative sets in one pair term: the global batch is gathered
+        self.gather_mode = "references" if self.supports_ref else "global_batch"
 
     def extra_repr(self) -> str:
         return f"margin={self.margin}, variant={self.variant!r}, alpha={self.alpha}, beta={self.beta}"
@@ -58,7 +62,8 @@ class LiftedStructureLoss(PairLoss):
         if self.variant == "star":
             lp = masked_lse(-self.alpha * sim, pos) / self.alpha
             ln = masked_lse(self.beta * sim, neg) / self.beta
-            return (torch.where(pos.any(1), lp, 0.0) + torch.where(neg.any(1), ln, 0.0)).sum() / B
+            per_anchor = torch.where(pos.any(1), lp, 0.0) + torch.where(neg.any(1), ln, 0.0)
+            return per_anchor.sum() / batch_normaliser(B, sim)
         dist = distance_from_similarity(sim)
         neg_lse = masked_lse(self.margin - dist, neg)  # a_i, -inf when Neg(i) is empty
         has_neg = neg.any(1)
@@ -66,7 +71,7 @@ class LiftedStructureLoss(PairLoss):
             pos_lse = masked_lse(dist, pos)
             ok = pos.any(1) & has_neg
             per_anchor = torch.relu(torch.where(ok, pos_lse, 0.0) + torch.where(ok, neg_lse, 0.0))
-            return per_anchor.sum() / B
+            return per_anchor.sum() / batch_normaliser(B, sim)
         # original / gpw: gallery = batch (no references), pairs (i, j) of the B x B matrix
         a = torch.where(has_neg, neg_lse, 0.0)
         ai, aj = a[:, None].expand(B, B), a[None, :].expand(B, B)

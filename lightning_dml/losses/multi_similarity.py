@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_dml.losses.base import ClosedFormPairFunction, PairLoss, lse0, masked_lse, masked_mean
+from lightning_dml.losses.base import ClosedFormPairFunction, PairLoss, batch_normaliser, lse0, masked_lse
+from lightning_dml.losses.base import masked_mean
+from lightning_dml.losses.registry import register_loss
 from lightning_dml.miners import multi_similarity_mining
 
 __all__ = ["MultiSimilarityLoss"]
@@ -13,6 +15,7 @@ __all__ = ["MultiSimilarityLoss"]
 _ON_EMPTY = ("keep", "skip")
 
 
+@register_loss("multi_similarity")
 class MultiSimilarityLoss(PairLoss):
     r"""Multi-Similarity loss, MS paper Eq. 15 with the Similarity-P mining of Eqs. 11-12.
 
@@ -43,6 +46,9 @@ class MultiSimilarityLoss(PairLoss):
     Degenerate batches: an anchor with no mined pair (one class, one-sample class, easy batch) contributes 0;
     the loss of a batch with no mined pair at all is exactly 0 with zero gradient.
     """
+
+    #: under DDP: anchors scored against the gathered batch, batch-wide reductions (losses.base)
+    gather_mode = "references"
 
     def __init__(
         self,
@@ -95,7 +101,7 @@ class MultiSimilarityLoss(PairLoss):
             lp = masked_lse(-self.alpha * (sim - self.lam), kp) / self.alpha
             ln = masked_lse(self.beta * (sim - self.lam), kn) / self.beta
             per_anchor = torch.where(kp.any(1), lp, 0.0) + torch.where(kn.any(1), ln, 0.0)
-        return (per_anchor * keep).sum() / sim.shape[0]
+        return (per_anchor * keep).sum() / batch_normaliser(sim.shape[0], sim)
 
     def compute(self, anchors: Tensor, labels: Tensor, gallery: Tensor | None, gallery_labels: Tensor) -> Tensor:
         """Closed form on float 0/1 masks (same formulas as :meth:`pair_loss_and_grad`, fewer slow bool kernels)."""
@@ -120,7 +126,7 @@ class MultiSimilarityLoss(PairLoss):
             wn, ln = self._lse_weights(sim, kn, self.beta, hard_neg, sign=1.0)
             wp, lp = self._lse_weights(sim, kp, self.alpha, hard_pos, sign=-1.0)
             keep = torch.ones_like(ln) if self.on_empty == "keep" else kp.amax(1) * kn.amax(1)
-            keep = keep / sim.shape[0]
+            keep = keep / batch_normaliser(sim.shape[0], sim)
             loss = ((lp / self.alpha + ln / self.beta) * keep).sum()
             return loss, wn.sub_(wp).mul_(keep[:, None])
 
@@ -146,7 +152,7 @@ class MultiSimilarityLoss(PairLoss):
 
     def pair_loss_and_grad(self, sim: Tensor, pos: Tensor, neg: Tensor) -> tuple[Tensor, Tensor]:
         kp, kn = self.mine(sim, pos, neg)
-        keep = self._anchor_weight(kp, kn, sim.dtype)[:, None] / sim.shape[0]
+        keep = self._anchor_weight(kp, kn, sim.dtype)[:, None] / batch_normaliser(sim.shape[0], sim)
         if not self.weighting:
             np_, nn_ = kp.sum(1, keepdim=True).clamp(min=1), kn.sum(1, keepdim=True).clamp(min=1)
             w = kn.to(sim.dtype) / nn_ - kp.to(sim.dtype) / np_

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_dml.losses.base import PairLoss, masked_lse
+from lightning_dml.losses.registry import register_loss
 from lightning_dml.miners import label_masks
 from lightning_dml.scaling import common_power_of_two_scale
 
@@ -48,6 +49,7 @@ def scaled_for_inner_products(x: Tensor) -> tuple[Tensor, Tensor]:
     return x / scale, scale
 
 
+@register_loss("npair")
 class NPairLoss(PairLoss):
     r"""Multi-class N-pair loss (N-pair paper Eq. 7) or N-pair-ovo (Eq. 8), with L2 regularisation (Sec. 3.2.2).
 
@@ -78,6 +80,10 @@ class NPairLoss(PairLoss):
 
     normalize = False
     supports_ref = False
+    #: the batch is N pairs of distinct classes (the N-pair sampler): it cannot be scored against other
+    #: processes' batches, so ``gather_distributed=True`` is rejected
+    required_sampler = "npair"
+    gather_mode = None
 
     def __init__(self, l2_reg: float = 0.005, symmetric: bool = False, variant: str = "mc") -> None:
         super().__init__()
@@ -86,6 +92,10 @@ class NPairLoss(PairLoss):
         if variant not in _VARIANTS:
             raise ValueError(f"variant must be one of {_VARIANTS}, got {variant!r}")
         self.l2_reg, self.symmetric, self.variant = float(l2_reg), symmetric, variant
+        if variant == "multi_positive":
+            # Eq. 9 takes any P x K batch (K >= 2) and is deterministic: under gather_distributed every process
+            # computes it on the gathered global batch
+            self.required_sampler, self.gather_mode = None, "global_batch"
 
     def extra_repr(self) -> str:
         return f"l2_reg={self.l2_reg}, symmetric={self.symmetric}, variant={self.variant!r}"

@@ -72,6 +72,12 @@ class ProxyLoss(nn.Module):
     needs_num_classes: bool = True
     #: they hold learnable parameters (their own optimizer group in ``DMLModule``)
     has_parameters: bool = True
+    #: any P x K (or plain) batch
+    required_sampler: str | None = None
+    #: a per-sample loss against the proxies is exact under DDP as it is (each process's mean over its equal-sized
+    #: batch; DDP averages the gradients): nothing to gather, ``gather_distributed=True`` is rejected. Losses whose
+    #: terms couple samples (Proxy-Anchor) set ``"global_batch"`` (:mod:`lightning_dml.losses.distributed`).
+    gather_mode: str | None = None
 
     def __init__(
         self, num_classes: int | None = None, embedding_dim: int | None = None, proxies_per_class: int = 1

@@ -41,6 +41,10 @@ class ProxyAnchorLoss(ProxyLoss):
     value is always finite.
     """
 
+    #: every proxy pools the whole batch: under DDP with gather_distributed each process computes the loss of the
+    #: gathered global batch (exact; :mod:`lightning_dml.losses.distributed`)
+    gather_mode = "global_batch"
+
     def __init__(
         self,
         num_classes: int | None = None,

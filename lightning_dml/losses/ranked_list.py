@@ -5,12 +5,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_dml.losses.base import PairLoss, distance_from_similarity, masked_mean, masked_softmax
+from lightning_dml.losses.base import PairLoss, batch_normaliser, distance_from_similarity, masked_mean
+from lightning_dml.losses.base import masked_softmax
+from lightning_dml.losses.registry import register_loss
 from lightning_dml.miners import threshold_mining
 
 __all__ = ["RankedListLoss"]
 
 
+@register_loss("ranked_list")
 class RankedListLoss(PairLoss):
     r"""Ranked List Loss (RLL Eqs. 8-14).
 
@@ -34,6 +37,9 @@ class RankedListLoss(PairLoss):
     Degenerate batches: an anchor with an empty ``P*`` (``N*``) has ``L_P = 0`` (``L_N = 0``) and still counts in
     the 1/B divisor.
     """
+
+    #: under DDP: anchors scored against the gathered batch, batch-wide reductions (losses.base)
+    gather_mode = "references"
 
     def __init__(
         self,
@@ -63,4 +69,4 @@ class RankedListLoss(PairLoss):
         loss_p = masked_mean(dist - (self.alpha - self.margin), kp)
         weights = masked_softmax(self.temperature * (self.alpha - dist.detach()), kn)
         loss_n = (weights * (self.alpha - dist)).sum(1)
-        return (loss_p + self.lam * loss_n).sum() / sim.shape[0]
+        return (loss_p + self.lam * loss_n).sum() / batch_normaliser(sim.shape[0], sim)

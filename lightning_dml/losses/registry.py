@@ -1,16 +1,22 @@
-"""Registry of the pair losses: ``LOSSES`` (name -> class) and :func:`build_loss`."""
+"""Registry of the losses: ``LOSSES`` (name -> class) and :func:`build_loss`.
+
+Every loss registers itself where it is defined, with the class decorator ``@register_loss("name")`` (as timm's
+``register_model``), and declares what it needs and supports as class attributes (``needs_positive_pairs``,
+``supports_ref``, ``has_parameters``, ``needs_num_classes``, ``required_sampler``, ``gather_mode``: see
+:class:`~lightning_dml.losses.base.PairLoss`).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Type, TypeVar
+from typing import Any, Callable, TypeVar
 
 from torch import nn
 
 __all__ = ["LOSSES", "register_loss", "build_loss"]
 
-LOSSES: Dict[str, Type[nn.Module]] = {}
+LOSSES: dict[str, type[nn.Module]] = {}
 
-T = TypeVar("T", bound=Type[nn.Module])
+T = TypeVar("T", bound=type[nn.Module])
 
 
 def register_loss(name: str) -> Callable[[T], T]:

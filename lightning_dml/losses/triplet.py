@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_dml.losses.base import ClosedFormPairFunction, PairLoss, distance_and_derivative
+from lightning_dml.losses.base import ClosedFormPairFunction, PairLoss, batch_normaliser, distance_and_derivative
 from lightning_dml.losses.base import distance_from_similarity, squared_distance_from_similarity
+from lightning_dml.losses.registry import register_loss
 from lightning_dml.miners import batch_hard_mining, label_masks, positive_index
 from lightning_dml.miners.mining import positive_table
 
@@ -16,6 +17,7 @@ _MINING = ("all", "batch_hard")
 _REDUCTIONS = ("mean_nonzero", "mean", "sum")
 
 
+@register_loss("triplet")
 class TripletLoss(PairLoss):
     r"""Triplet margin loss (GPW Eq. 12; squared distances Eq. 37; batch-hard mining Eq. 20).
 
@@ -39,6 +41,9 @@ class TripletLoss(PairLoss):
     triplet -> 0 with zero gradient.
     """
 
+    #: under DDP: anchors scored against the gathered batch, batch-wide reductions (losses.base)
+    gather_mode = "references"
+
     def __init__(
         self, margin: float = 0.1, mining: str = "all", squared: bool = False, reduction: str = "mean_nonzero"
     ) -> None:
@@ -56,10 +61,7 @@ class TripletLoss(PairLoss):
 
     def _reduce(self, hinge: Tensor, considered: Tensor) -> Tensor:
         total = (hinge * considered).sum()
-        if self.reduction == "sum":
-            return total
-        count = (considered & (hinge > 0)).sum() if self.reduction == "mean_nonzero" else considered.sum()
-        return total / count.clamp(min=1)
+        return total / self._count(considered & (hinge > 0), considered.sum(), total)
 
     def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
         dist = squared_distance_from_similarity(sim) if self.squared else distance_from_similarity(sim)
@@ -74,12 +76,13 @@ class TripletLoss(PairLoss):
         hinge = torch.relu(d_pos[:, :, None] - dist[:, None, :] + self.margin)
         return self._reduce(hinge, considered)
 
-    def _count(self, active: Tensor, considered_count: Tensor) -> Tensor:
+    def _count(self, active: Tensor, considered_count: Tensor, like: Tensor) -> Tensor:
+        """The reduction's divisor (batch-wide under DDP: :func:`~lightning_dml.losses.base.batch_normaliser`)."""
         if self.reduction == "sum":
-            return torch.ones((), device=active.device)
+            return batch_normaliser(None, like)
         if self.reduction == "mean":
-            return considered_count.clamp(min=1)
-        return active.sum().clamp(min=1)
+            return batch_normaliser(considered_count, like)
+        return batch_normaliser(active.sum(), like)
 
     def pair_loss_and_grad(self, sim: Tensor, pos: Tensor, neg: Tensor) -> tuple[Tensor, Tensor]:
         dist, d_dist = distance_and_derivative(sim, self.squared)
@@ -88,7 +91,7 @@ class TripletLoss(PairLoss):
             has = hard_pos.any(1) & hard_neg.any(1)
             hinge = ((dist * hard_pos).sum(1) - (dist * hard_neg).sum(1) + self.margin).clamp_(min=0.0) * has
             active = hinge > 0
-            count = self._count(active, has.sum())
+            count = self._count(active, has.sum(), dist)
             grad_dist = (hard_pos.to(dist.dtype) - hard_neg.to(dist.dtype)) * (active[:, None].to(dist.dtype) / count)
             return hinge.sum() / count, grad_dist.mul_(d_dist)
         index, valid = positive_index(pos)
@@ -97,7 +100,7 @@ class TripletLoss(PairLoss):
         hinge.masked_fill_(~(valid[:, :, None] & neg[:, None, :]), 0.0).clamp_(min=0.0)
         active = hinge > 0
         considered_count = (valid.sum(1) * neg.sum(1)).sum()
-        count = self._count(active, considered_count)
+        count = self._count(active, considered_count, dist)
         loss = hinge.sum() / count
         active_f = active.to(dist.dtype)
         grad_dist = -active_f.sum(1)
@@ -121,12 +124,7 @@ class TripletLoss(PairLoss):
             hinge = dist.gather(1, index)[:, :, None] - dist[:, None, :]  # [B, K, N]
             hinge.add_(self.margin).mul_(validf[:, :, None]).mul_(negf[:, None, :]).clamp_(min=0.0)
             active = torch.sign(hinge)
-            if self.reduction == "sum":
-                count = dist.new_ones(())
-            elif self.reduction == "mean":
-                count = (validf.sum(1) * negf.sum(1)).sum().clamp(min=1)
-            else:
-                count = active.sum().clamp(min=1)
+            count = self._count(active, (validf.sum(1) * negf.sum(1)).sum(), dist)
             loss = hinge.sum() / count
             grad_dist = -active.sum(1)
             grad_dist.scatter_add_(1, index, active.sum(2))

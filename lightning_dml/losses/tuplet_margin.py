@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from lightning_dml.losses.base import PairLoss, lse0, similarity_matrix
+from lightning_dml.losses.registry import register_loss
 from lightning_dml.miners import label_masks
 
 __all__ = ["TupletMarginLoss"]
@@ -25,6 +26,7 @@ def _one_negative_per_class(candidates: Tensor, gallery_labels: Tensor, generato
     return candidates & (keys == best.gather(1, classes.expand_as(keys)))
 
 
+@register_loss("tuplet_margin")
 class TupletMarginLoss(PairLoss):
     r"""Tuplet Margin Loss (TML Eq. 13) plus the intra-pair variance regulariser (Eqs. 15-17).
 

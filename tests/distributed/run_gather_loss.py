@@ -1,11 +1,27 @@
-"""Two gloo processes: the gathered pair loss and DDP-averaged gradients equal one process with the global batch.
+"""W gloo processes: every registered loss, every reduction option, under ``gather_distributed`` equals one process
+holding the global batch.
 
-Run directly (``python tests/distributed/run_gather_loss.py``); exits 0 and prints ``GATHER-OK`` on success.
-Derivation: with equal local batch sizes B and world size W, the global loss over W*B anchors is the average over
-ranks of each rank's local-anchor loss (every loss checked here reduces by 1/B over its anchors). The all-gather
-backward sums the gradient contributions of all ranks to each rank's rows, so rank r's parameter gradient is
-d(sum_r L_r)/d(theta) through its own rows, and DDP's average over W ranks gives d(L_global)/d(theta).
+Run directly (``python tests/distributed/run_gather_loss.py WORLD``); exits 0 and prints ``GATHER-OK`` on success.
+
+Every process holds the whole global batch (a P x K batch of trained-like clustered fp64 embeddings, split into
+``WORLD`` local batches of unequal sizes for ``WORLD = 3``), so it compares its own results with the single-process
+reference itself:
+
+* loss value: the mean over the processes of :func:`lightning_dml.losses.gathered_loss` equals the global loss
+  (Lightning's ``sync_dist`` mean; for ``"global_batch"`` losses every process's value is the global loss);
+* gradient w.r.t. each process's local embeddings, divided by ``W`` (DDP averages the parameter gradients, which
+  are linear in the embedding gradients), equals the global gradient's rows of that process;
+* gradient w.r.t. the loss's own parameters, all-reduced and divided by ``W`` (what DDP does), equals the global
+  one.
+
+Losses that declare ``gather_mode = None`` must be rejected by ``checks.check_gather_combination`` and by
+``gathered_loss``; the per-sample proxy losses among them must equal the global batch WITHOUT gathering (each
+process's mean over its own equal-sized batch, DDP's average), checked when the local batches have equal sizes.
+Controls (must NOT match, or the test has no power): references gathered without autograd, and batch-wide counts
+taken per process (the reductions outside ``global_reduction``).
 """
+
+from __future__ import annotations
 
 import os
 import sys
@@ -17,112 +33,207 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-WORLD, LOCAL_B, DIM_IN, DIM = 2, 12, 10, 6
+P, K, DIM = 6, 3, 8  # global batch: 6 classes x 3 images (18 items)
+SIZES = {2: [9, 9], 3: [5, 7, 6]}
+RTOL, ATOL = 1e-7, 1e-9
 
 
-class _TripletPerAnchor(torch.nn.Module):
-    """Batch-hard triplet loss summed over anchors / local B (a per-anchor reduction)."""
+def _variants() -> dict[str, tuple[str, dict]]:
+    """label -> (registry name, constructor arguments): every registered loss with its defaults, plus every
+    reduction option and path of the losses that have them."""
+    from lightning_dml.losses import LOSSES
 
-    def __init__(self):
-        super().__init__()
-        from lightning_dml.losses import TripletLoss
+    cases: dict[str, tuple[str, dict]] = {name: (name, {}) for name in sorted(LOSSES)}
+    for reduction in ("mean_nonzero", "mean", "sum"):
+        cases[f"contrastive_{reduction}"] = ("contrastive", {"reduction": reduction})
+        cases[f"contrastive_{reduction}_squared_hinge"] = (
+            "contrastive",
+            {"reduction": reduction, "squared_hinge": True, "pos_margin": 0.3},
+        )
+        for mining in ("all", "batch_hard"):
+            cases[f"triplet_{mining}_{reduction}"] = ("triplet", {"reduction": reduction, "mining": mining})
+    for variant in ("original", "gpw", "generalized", "star"):
+        cases[f"lifted_structure_{variant}"] = ("lifted_structure", {"variant": variant})
+    for preset in ("pair_p", "pair_e", "triplet_p"):
+        cases[f"general_pair_weighting_{preset}"] = ("general_pair_weighting", {"preset": preset})
+    cases["multi_similarity_no_mining"] = ("multi_similarity", {"mining": False})
+    cases["ranked_list_full_gradient"] = ("ranked_list", {"detach_gallery": False})
+    cases["tuplet_margin_all"] = ("tuplet_margin", {"negatives": "all"})
+    cases["tuplet_margin"] = ("tuplet_margin", {"seed": 3})  # random negatives: the same seed on every process
+    cases["cross_batch_memory_triplet_sum"] = (
+        "cross_batch_memory",
+        {"loss": "triplet", "embedding_size": DIM, "memory_size": 20},
+    )
+    cases["cross_batch_memory"] = ("cross_batch_memory", {"embedding_size": DIM, "memory_size": 20})
+    return cases
 
-        self.inner, self.closed_form = TripletLoss(mining="batch_hard", margin=0.5, reduction="sum"), True
 
-    def forward(self, emb, labels, ref_embeddings=None, ref_labels=None):
-        self.inner.closed_form = self.closed_form
-        return self.inner(emb, labels, ref_embeddings=ref_embeddings, ref_labels=ref_labels) / emb.shape[0]
+def _build(name: str, kwargs: dict):
+    from lightning_dml.losses import LOSSES, build_loss
 
-
-def _losses():
-    from lightning_dml.losses import GeneralPairWeightingLoss, MultiSimilarityLoss, RankedListLoss
-
-    return {
-        "multi_similarity": MultiSimilarityLoss(),
-        "multi_similarity_autograd": MultiSimilarityLoss(),
-        "ranked_list": RankedListLoss(),
-        "ranked_list_full_gradient": RankedListLoss(detach_gallery=False),
-        "gpw_pair_e": GeneralPairWeightingLoss("pair_e"),
-        "triplet_batch_hard_sum_over_b": _TripletPerAnchor(),
-    }
+    cls = LOSSES[name]
+    kwargs = dict(kwargs)
+    if getattr(cls, "needs_num_classes", False):
+        kwargs.setdefault("num_classes", P)
+        kwargs.setdefault("embedding_dim", DIM)
+    if name == "cross_batch_memory" and isinstance(kwargs.get("loss"), str):
+        kwargs["loss"] = build_loss(kwargs["loss"], reduction="sum")
+    torch.manual_seed(0)  # the same parameters on every process and in the reference
+    loss = cls(**kwargs)
+    # fp64 parameters (Cross-Batch Memory keeps its fp32 memory: it stores what it is given in fp32)
+    return loss if name == "cross_batch_memory" else loss.double()
 
 
 def _data():
+    """Trained-like batch: each class a tight cluster, classes close enough that margins and mining are active."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(WORLD * LOCAL_B, DIM_IN, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 4, (WORLD * LOCAL_B,), generator=g)
-    model = torch.nn.Linear(DIM_IN, DIM).double()
-    with torch.no_grad():  # every parameter from the seeded generator (the default init uses the global RNG)
-        model.weight.copy_(torch.randn(DIM, DIM_IN, generator=g, dtype=torch.float64))
-        model.bias.copy_(torch.randn(DIM, generator=g, dtype=torch.float64))
-    return x, y, model
+    centres = torch.nn.functional.normalize(torch.randn(P, DIM, generator=g, dtype=torch.float64), dim=1)
+    labels = torch.arange(P).repeat_interleave(K)
+    x = centres[labels] + 0.35 * torch.randn(P * K, DIM, generator=g, dtype=torch.float64)
+    perm = torch.randperm(P * K, generator=g)  # classes spread over the processes
+    return x[perm], labels[perm]
 
 
-def _worker(rank, store_path, out_path):
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
-    from torch.nn.parallel import DistributedDataParallel as DDP
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.allclose(a, b, rtol=RTOL, atol=ATOL)
 
-    from lightning_dml.losses import gather_from_other_ranks
 
-    x, y, model = _data()
-    ddp = DDP(model)
-    local = slice(rank * LOCAL_B, (rank + 1) * LOCAL_B)
-    results = {}
-    for name, loss in _losses().items():
-        loss.closed_form = not name.endswith("autograd")
-        ddp.zero_grad()
-        emb = ddp(x[local])
-        ref, ref_labels = gather_from_other_ranks(emb, y[local])
-        assert ref.shape == ((WORLD - 1) * LOCAL_B, DIM), ref.shape
-        value = loss(emb, y[local], ref_embeddings=ref, ref_labels=ref_labels)
-        value.backward()
-        mean_value = value.detach().clone()
-        dist.all_reduce(mean_value)
-        results[name] = (float(mean_value) / WORLD, model.weight.grad.clone(), model.bias.grad.clone())
-    # negative control: a gather without autograd (detached refs) must NOT reproduce the global gradient
-    ddp.zero_grad()
-    emb = ddp(x[local])
-    ref, ref_labels = gather_from_other_ranks(emb, y[local])
-    _losses()["multi_similarity"](emb, y[local], ref_embeddings=ref.detach(), ref_labels=ref_labels).backward()
-    results["control_detached"] = model.weight.grad.clone()
-    if rank == 0:
-        torch.save(results, out_path)
+def _reference(name, kwargs, x, y, calls):
+    loss = _build(name, kwargs)
+    xg = x.clone().requires_grad_(True)
+    if calls > 1:  # memory filled with the earlier global batch
+        loss.train()
+        torch.manual_seed(7)
+        loss(xg.detach(), y)
+    torch.manual_seed(7)
+    value = loss(xg, y)
+    value.backward()
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in loss.parameters()]
+    return float(value.detach()), xg.grad, grads
+
+
+def _distributed(name, kwargs, x_local, y_local, world, calls, gathered=True):
+    from lightning_dml.losses import gathered_loss
+
+    loss = _build(name, kwargs)
+    emb = x_local.clone().requires_grad_(True)
+    if calls > 1:
+        loss.train()
+        torch.manual_seed(7)
+        with torch.no_grad():
+            gathered_loss(loss, emb.detach(), y_local)
+    torch.manual_seed(7)
+    value = gathered_loss(loss, emb, y_local) if gathered else loss(emb, y_local)
+    value.backward()
+    mean = value.detach().clone()
+    dist.all_reduce(mean)
+    grads = []
+    for p in loss.parameters():
+        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g)
+        grads.append(g / world)
+    return float(mean) / world, emb.grad / world, grads
+
+
+def _worker(rank: int, world: int, store_path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    from lightning_dml.checks import check_gather_combination
+    from lightning_dml.losses import PairLoss, gather_from_other_ranks, gathered_loss
+
+    x, y = _data()
+    sizes = SIZES[world]
+    start = sum(sizes[:rank])
+    local = slice(start, start + sizes[rank])
+    equal_sizes = len(set(sizes)) == 1
+    failures, lines = [], []
+    for label, (name, kwargs) in _variants().items():
+        calls = 2 if name == "cross_batch_memory" else 1
+        probe = _build(name, kwargs)
+        mode = probe.gather_mode
+        if mode is None:
+            try:
+                check_gather_combination(probe, True)
+                failures.append(f"{label}: gather_mode=None but check_gather_combination accepted it")
+            except ValueError as err:
+                if type(probe).__name__ not in str(err) or "gather_distributed" not in str(err):
+                    failures.append(f"{label}: rejection message does not name loss and option: {err}")
+            try:
+                gathered_loss(probe, x[local].clone(), y[local])
+                failures.append(f"{label}: gathered_loss accepted a loss with gather_mode=None")
+            except ValueError:
+                pass
+            if not isinstance(probe, PairLoss) and not probe.needs_positive_pairs and equal_sizes:
+                # per-sample proxy loss: exact under DDP with no gathering at all
+                want = _reference(name, kwargs, x, y, calls)
+                got = _distributed(name, kwargs, x[local], y[local], world, calls, gathered=False)
+                _compare(f"{label} (no gather)", got, want, local, failures, lines)
+            continue
+        check_gather_combination(probe, True)
+        want = _reference(name, kwargs, x, y, calls)
+        got = _distributed(name, kwargs, x[local], y[local], world, calls)
+        _compare(f"{label} [{mode}]", got, want, local, failures, lines)
+
+    # controls: these must differ from the global batch (otherwise the comparisons above could not fail)
+    from lightning_dml.losses import ContrastiveLoss
+
+    xl = x[local].clone().requires_grad_(True)
+    ref, ref_labels = gather_from_other_ranks(xl, y[local])
+    ContrastiveLoss(reduction="mean")(xl, y[local], ref.detach(), ref_labels).backward()
+    detached = xl.grad / world
+    xl = x[local].clone().requires_grad_(True)
+    ref, ref_labels = gather_from_other_ranks(xl, y[local])
+    ContrastiveLoss()(xl, y[local], ref, ref_labels).backward()  # per-process counts, no W scale
+    local_counts = xl.grad / world
+    for control, grad, kwargs in (("detached references", detached, {"reduction": "mean"}),
+                                  ("per-process counts", local_counts, {})):
+        want = _reference("contrastive", kwargs, x, y, 1)[1][local]
+        same = torch.tensor(float(_close(grad, want)))
+        dist.all_reduce(same)
+        if float(same) == world:
+            failures.append(f"control {control}: matches the global gradient (the test has no power)")
+    if rank == 0 or os.environ.get("GATHER_VERBOSE"):
+        for line in lines:
+            print(f"rank {rank}: {line}", flush=True)
+    bad = torch.tensor(float(len(failures)))
+    dist.all_reduce(bad)
+    for f in failures:
+        print(f"rank {rank}: FAIL {f}", flush=True)
     dist.barrier()
+    if rank == 0 and float(bad) == 0:
+        print(f"GATHER-OK world={world} cases={len(lines)}", flush=True)
     dist.destroy_process_group()
+    if float(bad) > 0:
+        sys.exit(1)
+
+
+def _compare(label, got, want, local, failures, lines):
+    value, grad, params = got
+    ref_value, ref_grad, ref_params = want
+    ok_value = abs(value - ref_value) <= 1e-8 * max(1.0, abs(ref_value))
+    ok_grad = _close(grad, ref_grad[local])
+    ok_params = len(params) == len(ref_params) and all(_close(a, b) for a, b in zip(params, ref_params))
+    err = float((grad - ref_grad[local]).abs().max()) if grad.shape == ref_grad[local].shape else float("nan")
+    scale = float(ref_grad.abs().max())
+    lines.append(f"{label}: loss {value:.10f} vs {ref_value:.10f}, max|d grad| {err:.2e} (max|grad| {scale:.2e})")
+    if not (ok_value and ok_grad and ok_params):
+        failures.append(f"{label}: value ok={ok_value} embedding grad ok={ok_grad} parameter grads ok={ok_params}; "
+                        f"{lines[-1]}")
+    if scale == 0.0 and "control" not in label:
+        lines[-1] += " (zero gradient)"
 
 
 def main() -> int:
+    world = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.pt")
-        mp.spawn(_worker, args=(os.path.join(tmp, "store"), out), nprocs=WORLD, join=True)
-        results = torch.load(out)
-    x, y, model = _data()
-    failures = []
-    for name, loss in _losses().items():
-        loss.closed_form = not name.endswith("autograd")
-        model.zero_grad()
-        value = loss(model(x), y)
-        value.backward()
-        got_value, got_w, got_b = results[name]
-        ok = (
-            abs(got_value - float(value.detach())) <= 1e-9 * max(1.0, abs(float(value.detach())))
-            and torch.allclose(got_w, model.weight.grad, rtol=1e-7, atol=1e-10)
-            and torch.allclose(got_b, model.bias.grad, rtol=1e-7, atol=1e-10)
-        )
-        print(f"{name}: ddp loss {got_value:.12f} single {float(value.detach()):.12f} "
-              f"max|dW| {float((got_w - model.weight.grad).abs().max()):.3e} {'ok' if ok else 'MISMATCH'}")
-        if not ok:
-            failures.append(name)
-    model.zero_grad()
-    _losses()["multi_similarity"](model(x), y).backward()
-    if torch.allclose(results["control_detached"], model.weight.grad, rtol=1e-7, atol=1e-10):
-        failures.append("control_detached (a detached gather should not match: the test has no power)")
-    else:
-        print("control: detached gather differs from the global gradient, as it must")
-    if failures:
-        print("FAILED:", failures)
-        return 1
-    print("GATHER-OK")
+        try:
+            mp.spawn(_worker, args=(world, os.path.join(tmp, "store")), nprocs=world, join=True)
+        except mp.ProcessRaisedException as err:
+            print(err)
+            return 1
+        except mp.ProcessExitedException as err:
+            print(err)
+            return 1
     return 0
 
 
