@@ -4,11 +4,13 @@
 ``loss(embeddings [B, D], labels [B], ref_embeddings=None, ref_labels=None)`` and returns an fp32 scalar.
 """
 
+# every loss registers itself with @register_loss where it is defined and declares its anatomy (what it needs and
+# supports: PairLoss's class attributes)
 from lightning_dml.losses.base import PairLoss
 from lightning_dml.losses.binomial_deviance import BinomialDevianceLoss
 from lightning_dml.losses.contrastive import ContrastiveLoss
 from lightning_dml.losses.cross_batch_memory import CrossBatchMemory
-from lightning_dml.losses.distributed import gather_from_other_ranks
+from lightning_dml.losses.distributed import gather_from_other_ranks, gathered_loss
 from lightning_dml.losses.general_pair_weighting import GeneralPairWeightingLoss
 from lightning_dml.losses.lifted_structure import LiftedStructureLoss
 from lightning_dml.losses.multi_similarity import MultiSimilarityLoss
@@ -18,25 +20,32 @@ from lightning_dml.losses.registry import LOSSES, build_loss, register_loss
 from lightning_dml.losses.triplet import TripletLoss
 from lightning_dml.losses.tuplet_margin import TupletMarginLoss
 
-for _name, _cls in (
-    ("contrastive", ContrastiveLoss),
-    ("triplet", TripletLoss),
-    ("lifted_structure", LiftedStructureLoss),
-    ("binomial_deviance", BinomialDevianceLoss),
-    ("npair", NPairLoss),
-    ("multi_similarity", MultiSimilarityLoss),
-    ("ranked_list", RankedListLoss),
-    ("tuplet_margin", TupletMarginLoss),
-    ("general_pair_weighting", GeneralPairWeightingLoss),
-    ("cross_batch_memory", CrossBatchMemory),
-):
-    register_loss(_name)(_cls)
+# proxy and classification losses (each registers itself with @register_loss where it is defined)
+from lightning_dml.losses.proxies import ProxyLoss
+from lightning_dml.losses.proxy_anchor import ProxyAnchorLoss
+from lightning_dml.losses.normalized_softmax import NormalizedSoftmaxLoss
+from lightning_dml.losses.proxy_nca import ProxyNCALoss
+from lightning_dml.losses.cosface import CosFaceLoss
+from lightning_dml.losses.arcface import ArcFaceLoss
+from lightning_dml.losses.subcenter_arcface import SubCenterArcFaceLoss
+from lightning_dml.losses.soft_triple import SoftTripleLoss
+
+# pair and set losses (each registers itself with @register_loss where it is defined)
+from lightning_dml.losses.angular import AngularLoss
+from lightning_dml.losses.circle import CircleLoss
+from lightning_dml.losses.fastap import FastAPLoss
+from lightning_dml.losses.margin import MarginLoss
+from lightning_dml.losses.nca import NCALoss
+from lightning_dml.losses.ntxent import NTXentLoss
+from lightning_dml.losses.smooth_ap import SmoothAPLoss
+from lightning_dml.losses.supcon import SupConLoss
 
 __all__ = [
     "LOSSES",
     "build_loss",
     "register_loss",
     "gather_from_other_ranks",
+    "gathered_loss",
     "PairLoss",
     "BinomialDevianceLoss",
     "ContrastiveLoss",
@@ -48,4 +57,20 @@ __all__ = [
     "RankedListLoss",
     "TripletLoss",
     "TupletMarginLoss",
+    "ProxyLoss",
+    "ProxyAnchorLoss",
+    "NormalizedSoftmaxLoss",
+    "ProxyNCALoss",
+    "CosFaceLoss",
+    "ArcFaceLoss",
+    "SubCenterArcFaceLoss",
+    "SoftTripleLoss",
+    "AngularLoss",
+    "CircleLoss",
+    "FastAPLoss",
+    "MarginLoss",
+    "NCALoss",
+    "NTXentLoss",
+    "SmoothAPLoss",
+    "SupConLoss",
 ]

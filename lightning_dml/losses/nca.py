@@ -1,0 +1,64 @@
+"""Neighbourhood Components Analysis loss (Goldberger et al., "Neighbourhood Components Analysis", NIPS 2004)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from lightning_dml.losses.base import PairLoss, batch_normaliser, masked_lse
+from lightning_dml.losses.registry import register_loss
+
+__all__ = ["NCALoss"]
+
+_OBJECTIVES = ("log", "expected")
+
+
+@register_loss("nca")
+class NCALoss(PairLoss):
+    r"""NCA loss: the stochastic nearest-neighbour classification of NCA (Eqs. 1-2), as a loss.
+
+    Distance: squared Euclidean ``d_ij = ||f_i - f_j||^2`` of L2-normalised embeddings (NCA learns a linear map
+    ``A`` with ``d_ij = ||A x_i - A x_j||^2``; here the network is the map). Anchor ``i`` picks ``j != i`` with
+    probability ``p_ij = e^{-s d_ij} / sum_{k != i} e^{-s d_ik}`` (Eq. 1, ``s = scale``) and is classified
+    correctly with probability ``p_i = sum_{j in C_i} p_ij`` (Eq. 2, ``C_i`` = same label). The loss is
+
+    * ``objective="log"`` (default): ``-(1/|I|) sum_i log p_i``, the log-likelihood objective of NCA Sec. 5
+      (Eq. 7 there; pytorch-metric-learning's ``NCALoss``),
+    * ``objective="expected"``: ``-(1/|I|) sum_i p_i``, the expected number of correct classifications (Eq. 3),
+
+    over the anchors ``I`` with at least one positive. References add candidates ``j`` (``p_ij`` over the batch
+    and the references).
+
+    Args:
+        scale: ``s`` (the NCA paper has none: ``A`` absorbs it; 1 as pml's ``softmax_scale``).
+        objective: ``"log"`` or ``"expected"``.
+
+    Degenerate batches: an anchor without a positive has no term and does not count; a batch without positive
+    pairs gives 0 with zero gradient. A single-class batch gives ``p_i = 1`` for all anchors (loss 0, resp. -1).
+    pml differs in one point: its mean skips anchors whose ``p_i`` underflows to 0 (ours keeps them, with the
+    true large ``-log p_i``).
+    """
+
+    #: a mean of per-anchor (per-pair) terms over the global gallery: exact under DDP with all-reduced counts
+    gather_mode = "references"
+
+    def __init__(self, scale: float = 1.0, objective: str = "log") -> None:
+        super().__init__()
+        if not scale > 0:
+            raise ValueError(f"scale must be > 0, got {scale}")
+        if objective not in _OBJECTIVES:
+            raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
+        self.scale, self.objective = float(scale), objective
+
+    def extra_repr(self) -> str:
+        return f"scale={self.scale}, objective={self.objective!r}"
+
+    def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
+        # -scale ||f_i - f_j||^2 = -scale (2 - 2 S_ij) on the unit sphere (S <= 1, so no clamp is needed)
+        logits = (2.0 * self.scale) * (sim - 1.0)
+        valid = pos.any(dim=1)
+        fill = ~valid[:, None]
+        log_p = masked_lse(logits, pos | fill) - masked_lse(logits, pos | neg | fill)
+        per_anchor = -log_p if self.objective == "log" else -torch.exp(log_p)
+        total = torch.where(valid, per_anchor, 0.0).sum()
+        return total / batch_normaliser(valid.sum(), total)
