@@ -8,13 +8,21 @@ in its own process so its peak memory (``getrusage`` max RSS) is its own:
 * ``pml``      -- ``pytorch_metric_learning``'s ``AccuracyCalculator`` (faiss k-NN, k = 1000) computing the
                   same figures (Recall@K added as custom metrics on its k-NN labels).
 * ``faiss``    -- a bare ``faiss.IndexFlatIP`` search of k = 1000 (no metric computed at all).
+* ``torch``    -- a plain torch brute force on ``--device``: ``topk`` (k = 1000) over fp32 tiles of 4,096 queries
+                  (the GPU peer of issue 11; no metric computed).
 * ``nmi``      -- NMI + F1 of one k-means run with k = 11,316 (``kmeans_backend`` as given, default auto).
 
 Usage::
 
     OMP_NUM_THREADS=2 python bench/evaluation.py                 # all methods, markdown table
     OMP_NUM_THREADS=2 python bench/evaluation.py --methods ours faiss --n 20000
+    OMP_NUM_THREADS=2 python bench/evaluation.py --methods ours --profile   # + time split of ours
     python bench/evaluation.py --worker ours                     # one method, JSON line (used internally)
+
+``--profile`` splits the time of ``ours`` into: products (``Scorer.approx``), counting (the band counts of the
+tile pass), candidates (the rest of the tile pass: threshold comparisons, candidate extraction and buffers),
+set-up (error bounds, exact best positives) and finish (exact re-scoring of ambiguous ranks and candidate runs).
+``--device cuda`` runs ``ours`` on the GPU (peak GPU memory reported).
 """
 
 from __future__ import annotations
@@ -58,10 +66,71 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
+def _profiled() -> dict[str, float]:
+    """Wrap the stages of the search with wall-clock timers (CPU: every op is synchronous); returns the totals.
+
+    Stages: ``set-up`` (bounds, exact best positives), ``tile pass`` / ``chunk pass`` (the approximate pass) and
+    ``finish`` (exact re-scoring); inside each, ``products`` (``Scorer.approx``) and ``counting`` are timed apart.
+    """
+    import torch
+
+    from lightning_dml.metrics import _precision, _scan, _search
+
+    times: dict[str, float] = {}
+    stage = ["other"]
+
+    def timed(owner, name: str, key: str, is_stage: bool) -> None:
+        fn = getattr(owner, name)
+
+        def wrapper(*a, **kw):
+            label = key if is_stage else f"{key} in {stage[-1]}"
+            if is_stage:
+                stage.append(key)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                times[label] = times.get(label, 0.0) + time.perf_counter() - t0
+                if is_stage:
+                    stage.pop()
+
+        setattr(owner, name, wrapper)
+
+    timed(_precision.Scorer, "__init__", "scorer (normalise, round)", True)
+    timed(_precision.Scorer, "approx", "products", False)
+    timed(_scan, "_count_side", "counting", False)
+    timed(_scan, "true_pairs", "candidate extraction", False)
+    timed(_scan, "insert_pairs", "candidate buffers", False)
+    timed(_search, "scan_symmetric", "tile pass", True)
+    timed(_search, "scan_rows", "chunk pass", True)
+    timed(_search.ExactSearch, "prepare_state", "set-up", True)
+    timed(_search.ExactSearch, "finish", "finish", True)
+    return times
+
+
 def run_ours(x, y, args) -> dict:
+    import torch
+
     from lightning_dml.metrics import functional as F
 
-    return F.retrieval_metrics(x, y, recall_at=RECALL_AT, map_at_r=True, precision=args.precision)
+    times = _profiled() if args.profile else None
+    if args.device != "cpu":
+        x, y = x.to(args.device), y.to(args.device)
+        torch.cuda.reset_peak_memory_stats()
+    out = F.retrieval_metrics(x, y, recall_at=RECALL_AT, map_at_r=True, precision=args.precision)
+    if args.device != "cpu":
+        out["peak_gpu_mb_above_embeddings"] = (torch.cuda.max_memory_allocated() - x.nbytes - y.nbytes) / 2**20
+    if times is not None:
+        for p in ("tile pass", "chunk pass"):
+            if p in times:  # the rest of the pass: threshold comparisons, candidate extraction and buffers
+                rest = times[p] - times.get(f"products in {p}", 0.0) - times.get(f"counting in {p}", 0.0)
+                times[f"candidates in {p}"] = rest  # including the extraction and buffer times listed apart
+        out["profile_s"] = {k: round(v, 2) for k, v in sorted(times.items())}
+    return out
 
 
 def run_pml(x, y, args) -> dict:
@@ -104,13 +173,22 @@ def run_faiss(x, y, args) -> dict:
     return {"k": int(idx.shape[1])}
 
 
+def run_torch(x, y, args) -> dict:
+    import torch
+
+    xn = torch.nn.functional.normalize(x.to(args.device), dim=1)
+    k = min(max(RECALL_AT), xn.shape[0])
+    idx = torch.cat([(xn[s : s + 4096] @ xn.T).topk(k, dim=1).indices.cpu() for s in range(0, xn.shape[0], 4096)])
+    return {"k": int(idx.shape[1])}
+
+
 def run_nmi(x, y, args) -> dict:
     from lightning_dml.metrics import functional as F
 
     return F.clustering_metrics(x, y, seeds=1, iters=args.kmeans_iters, backend=args.kmeans_backend)
 
 
-METHODS = {"ours": run_ours, "pml": run_pml, "faiss": run_faiss, "nmi": run_nmi}
+METHODS = {"ours": run_ours, "pml": run_pml, "faiss": run_faiss, "torch": run_torch, "nmi": run_nmi}
 
 
 def worker(args) -> None:
@@ -125,6 +203,13 @@ def worker(args) -> None:
         except ImportError:
             pass
     x, y = make_data(args.n, args.d)
+    # imports are not timed (lightning_dml.metrics pulls in torchmetrics; faiss its own library)
+    if args.worker in ("ours", "nmi"):
+        import lightning_dml.metrics.functional  # noqa: F401
+    elif args.worker == "faiss":
+        import faiss  # noqa: F401
+    elif args.worker == "pml":
+        import pytorch_metric_learning.utils.accuracy_calculator  # noqa: F401
     base = _rss_mb()  # interpreter + libraries + the embeddings
     t0 = time.perf_counter()
     res = METHODS[args.worker](x, y, args)
@@ -138,7 +223,9 @@ def main() -> None:
     p.add_argument("--n", type=int, default=60502)
     p.add_argument("--d", type=int, default=512)
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "0") or 0))
-    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"])
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "tf32", "bf16"])
+    p.add_argument("--device", default="cpu", help="device of ours (cpu or cuda)")
+    p.add_argument("--profile", action="store_true", help="time split of ours (products, counting, ...)")
     p.add_argument("--kmeans-iters", type=int, default=20)
     p.add_argument("--kmeans-backend", default="auto", choices=["auto", "torch", "faiss"])
     p.add_argument("--methods", nargs="+", default=["ours", "pml", "faiss", "nmi"], choices=list(METHODS))
@@ -150,7 +237,8 @@ def main() -> None:
     rows = []
     for m in args.methods:
         cmd = [sys.executable, __file__, "--worker", m, "--n", str(args.n), "--d", str(args.d),
-               "--threads", str(args.threads), "--precision", args.precision,
+               "--threads", str(args.threads), "--precision", args.precision, "--device", args.device,
+               *(["--profile"] if args.profile else []),
                "--kmeans-iters", str(args.kmeans_iters), "--kmeans-backend", args.kmeans_backend]
         out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if out.returncode != 0:
@@ -160,7 +248,8 @@ def main() -> None:
         rows.append(rec)
         print(json.dumps(rec), flush=True)
     faiss_t = next((r["seconds"] for r in rows if r["method"] == "faiss"), None)
-    print(f"\nN={args.n} D={args.d} threads={args.threads or 'default'} load={os.getloadavg()[0]:.1f}\n")
+    print(f"\nN={args.n} D={args.d} threads={args.threads or 'default'} load={os.getloadavg()[0]:.1f} "
+          f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}\n")
     print("| method | time (s) | x bare faiss k=1000 | peak RSS (MB) | above start (MB) |")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from lightning_dml.metrics.functional import knn
+
 #: Frame colours (RGB): neighbour of the query's class, of another class, the query itself, the background.
 CORRECT = (0, 200, 0)
 WRONG = (220, 0, 0)
@@ -46,14 +48,14 @@ def to_display(images: torch.Tensor | np.ndarray) -> np.ndarray:
 
 def nearest_neighbours(embeddings: torch.Tensor | np.ndarray, queries: Sequence[int], top_k: int) -> np.ndarray:
     """Indices ``[len(queries), top_k]`` of the ``top_k`` most cosine-similar items of each query, itself excluded
-    (embeddings are L2-normalised first; ties go to the lower index)."""
-    e = torch.nn.functional.normalize(_as_tensor(embeddings).double(), dim=1)
-    q = torch.as_tensor(list(queries), dtype=torch.long)
-    sims = e[q] @ e.T
-    sims[torch.arange(len(q)), q] = -float("inf")
-    # stable sort on the negated similarity: equal similarities keep index order
-    order = torch.sort(-sims, dim=1, stable=True).indices
-    return order[:, :top_k].numpy()
+    (exact, ties to the lower index: :func:`lightning_dml.metrics.functional.knn`, on the embeddings' device)."""
+    e = embeddings.detach() if isinstance(embeddings, torch.Tensor) else torch.as_tensor(np.asarray(embeddings))
+    q = torch.as_tensor(list(queries), dtype=torch.long, device=e.device)
+    # one neighbour more than asked: the query itself is among them and is dropped by index
+    _, idx = knn(e[q].float(), e.float(), k=top_k + 1)
+    is_self = idx == q.unsqueeze(1)
+    order = torch.argsort(is_self.to(torch.uint8), dim=1, stable=True)
+    return idx.gather(1, order)[:, :top_k].cpu().numpy()
 
 
 def retrieval_grid(

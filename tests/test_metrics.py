@@ -9,7 +9,10 @@ import torch
 
 from lightning_dml.metrics import RetrievalMetrics
 from lightning_dml.metrics import functional as F
-from lightning_dml.metrics._search import Scorer, bf16_matmul_is_fast, tree_sum
+from lightning_dml.metrics._candidates import concat_results, merge_states
+from lightning_dml.metrics._device import bf16_matmul_is_fast
+from lightning_dml.metrics._precision import Scorer, tree_sum
+from lightning_dml.metrics._scan import scan_symmetric
 from tests.metrics_reference import brute_metrics, brute_rankings, brute_scores
 
 KEYS = ("recall@1", "recall@2", "recall@4", "recall@8", "recall@16", "precision@1", "r_precision", "map@r")
@@ -32,22 +35,24 @@ def _tricky_set(n: int = 360, d: int = 32, classes: int = 45, seed: int = 0) -> 
 
 
 @pytest.mark.parametrize("metric", ["cosine", "euclidean"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_metrics_equal_fp64_brute_force(metric: str, precision: str) -> None:
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_metrics_equal_fp64_brute_force(metric: str, precision: str, device: torch.device) -> None:
     x, y = _tricky_set()
     ks = (1, 2, 4, 8, 16)
     ref = brute_metrics(x, y, ks, metric)
-    got = F.retrieval_metrics(x, y, recall_at=ks, metric=metric, precision=precision)
+    got = F.retrieval_metrics(x.to(device), y.to(device), recall_at=ks, metric=metric, precision=precision)
     for key in KEYS:
         assert got[key] == pytest.approx(ref[key], abs=1e-12), key
 
 
 @pytest.mark.parametrize("metric", ["cosine", "euclidean"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_knn_lists_equal_fp64_brute_force_with_near_duplicates(metric: str, precision: str) -> None:
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16"])
+def test_knn_lists_equal_fp64_brute_force_with_near_duplicates(metric: str, precision: str, device: torch.device) -> None:
     x, y = _tricky_set(seed=1)
     k = 25
-    scores, idx = F.knn(x, k=k, metric=metric, precision=precision)
+    scores, idx = F.knn(x.to(device), k=k, metric=metric, precision=precision)
+    assert idx.device.type == device.type
+    scores, idx = scores.cpu(), idx.cpu()
     ref = brute_rankings(x, y, metric)
     s64 = brute_scores(x, metric)
     for q, cand, _, _ in ref:
@@ -135,13 +140,14 @@ def test_in_shop_hand_computed() -> None:
     assert res["recall@2"] == pytest.approx(2 / 3) and res["map@r"] == pytest.approx(3 / 8)
 
 
-def test_in_shop_against_brute_force() -> None:
+def test_in_shop_against_brute_force(device: torch.device) -> None:
     g = torch.Generator().manual_seed(4)
     x = torch.randn(300, 24, generator=g)
     y = torch.randint(0, 60, (300,), generator=g)
     qm = torch.rand(300, generator=g) < 0.5
     ref = brute_metrics(x, y, (1, 10, 20), "cosine", qm, ~qm)
-    got = F.retrieval_metrics(x, y, recall_at=(1, 10, 20), query_mask=qm, gallery_mask=~qm)
+    x, y, qm = x.to(device), y.to(device), qm.to(device)
+    got = F.retrieval_metrics(x, y, recall_at=(1, 10, 20), query_mask=qm, gallery_mask=~qm, query_block=64, gallery_chunk=50)
     for key in ("recall@1", "recall@10", "recall@20", "r_precision", "map@r"):
         assert got[key] == pytest.approx(ref[key], abs=1e-12), key
 
@@ -199,7 +205,7 @@ def test_f1_matches_pair_enumeration() -> None:
     assert F.f1_score(y, y) == pytest.approx(1.0)
 
 
-def test_clustering_metrics_on_separated_blobs_and_sklearn_on_kmeans_output() -> None:
+def test_clustering_metrics_on_separated_blobs_and_sklearn_on_kmeans_output(device: torch.device) -> None:
     sk = pytest.importorskip("sklearn.metrics")
     g = torch.Generator().manual_seed(8)
     y = torch.arange(12).repeat_interleave(25)
@@ -207,9 +213,11 @@ def test_clustering_metrics_on_separated_blobs_and_sklearn_on_kmeans_output() ->
     from lightning_dml.metrics.kmeans import faiss_available
 
     for backend in ("torch", "faiss") if faiss_available() else ("torch",):
-        assign = F.kmeans(x, 12, iters=20, seed=0, backend=backend)
+        assign = F.kmeans(x.to(device), 12, iters=20, seed=0, backend=backend)
+        assert assign.device.type == device.type
+        assign = assign.cpu()
         assert F.nmi(y, assign) == pytest.approx(sk.normalized_mutual_info_score(y.numpy(), assign.numpy()), abs=1e-12)
-    out = F.clustering_metrics(x, y, metric="euclidean", seeds=3, backend="torch")
+    out = F.clustering_metrics(x.to(device), y.to(device), metric="euclidean", seeds=3, backend="torch")
     assert out["nmi"] > 0.95 and out["f1"] > 0.85
 
 
@@ -225,14 +233,15 @@ def test_torch_kmeans_is_deterministic_and_handles_empty_clusters() -> None:
     assert torch.unique(a1).numel() >= 20
 
 
-def test_metric_class_batches_duplicates_and_order() -> None:
+def test_metric_class_batches_duplicates_and_order(device: torch.device) -> None:
     """Batched updates, DDP-style repeated (padding) rows and shuffled order give the functional result."""
     x, y = _tricky_set(n=240, seed=10)
     ref = F.retrieval_metrics(x, y, recall_at=(1, 2, 4, 8))
     perm = torch.randperm(240, generator=torch.Generator().manual_seed(0))
     pad = torch.tensor([5, 17, 3])
     order = torch.cat([perm, pad])
-    m = RetrievalMetrics(recall_at=(1, 2, 4, 8), clustering=True)
+    m = RetrievalMetrics(recall_at=(1, 2, 4, 8), clustering=True).to(device)
+    x, y, order = x.to(device), y.to(device), order.to(device)
     for chunk in order.split(50):
         m.update(x[chunk], y[chunk], indices=chunk)
     out = m.compute()
@@ -280,17 +289,23 @@ def test_input_validation() -> None:
         F.retrieval_metrics(z, y)
     with pytest.raises(ValueError, match="index 3 appears more than once"):
         F.retrieval_metrics(x, y, indices=torch.tensor([0, 1, 2, 3, 3, 5, 6, 7, 8, 9]))
+    with pytest.raises(ValueError, match="index 3 appears more than once with different"):
+        conflict = RetrievalMetrics(clustering=False)
+        conflict.update(x, y, indices=torch.tensor([0, 1, 2, 3, 3, 5, 6, 7, 8, 9]))
+        conflict.compute()
+    with pytest.raises(ValueError, match="precision must be one of"):
+        RetrievalMetrics(precision="fp16")
     with pytest.raises(ValueError, match="no data"):
         RetrievalMetrics().compute()
 
 
 def test_error_bound_holds() -> None:
-    """The approximate scores stay within the stated bound of the exact ones (bf16 and fp32)."""
+    """The approximate scores stay within the stated bound of the exact ones (fp32, TF32 emulated, bf16)."""
     g = torch.Generator().manual_seed(11)
     x = torch.randn(200, 96, generator=g) * torch.rand(200, 1, generator=g) * 10
     items = torch.arange(200)
     for metric in ("cosine", "euclidean"):
-        for prec in ("fp32", "bf16"):
+        for prec in ("fp32", "tf32", "bf16"):
             sc = Scorer(x, metric, prec)
             a = sc.approx(items, items).double()
             w = sc.error_bound(items, items)
@@ -314,8 +329,6 @@ def test_bf16_runtime_check_is_bool() -> None:
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_symmetric_tile_pass_equals_brute_force(precision: str) -> None:
     """All-vs-all with many tiles (the symmetric pass, split over 3 simulated processes too)."""
-    from lightning_dml.metrics._search import concat_results
-
     x, y = _tricky_set(n=330, seed=12)
     ks = (1, 2, 4, 8, 16)
     ref = brute_metrics(x, y, ks)
@@ -323,27 +336,27 @@ def test_symmetric_tile_pass_equals_brute_force(precision: str) -> None:
     search = F.build_search(ps, precision=precision, query_block=40)
     assert search.use_symmetric()
     k = int(search.num_positives.max())
-    stats = F._stats_from_result(search, search.run(k, ks), search.q_items)
+    stats = F.retrieval_stats(x, y, rank_ks=ks, precision=precision, query_block=40)
     got = F.stats_to_metrics(stats, ks)
     for key in KEYS:
         assert got[key] == pytest.approx(ref[key], abs=1e-12), key
     # three "processes", each with its share of tiles, merged as under DDP
-    from lightning_dml.metrics._search import merge_states
-
     world = 3
     partial = []
     for rank in range(world):
         st = search.prepare_state(torch.arange(330), k, ks)
-        search.scan_symmetric(st, (rank, world))
+        scan_symmetric(search, st, (rank, world))
         partial.append(st)
     merged = merge_states(partial)
-    res = concat_results([search.finish(merged.select(search.block_rows(b)), k, ks) for b in range(search.num_blocks)], k)
+    res = concat_results([search.finish(merged.select(search.block_rows(b)), k) for b in range(search.num_blocks)], k)
     single = search.run(k, ks)
     assert torch.equal(res.first_positive_rank >= 0, single.first_positive_rank >= 0)
     for kk in ks:
         assert torch.equal((res.first_positive_rank >= 0) & (res.first_positive_rank < kk),
                            (single.first_positive_rank >= 0) & (single.first_positive_rank < kk))
-    assert torch.equal(F._stats_from_result(search, res, search.q_items).relevance, stats.relevance)
+    assert torch.equal(res.neighbors >= 0, stats.neighbors >= 0)
+    labels = y[search.g_items[res.neighbors.clamp(min=0)]]
+    assert torch.equal((res.neighbors >= 0) & (labels == y.unsqueeze(1)), stats.relevance)
 
 
 def test_progress_bars_are_opt_in_and_do_not_change_results(capsys):
@@ -358,3 +371,54 @@ def test_progress_bars_are_opt_in_and_do_not_change_results(capsys):
     assert "retrieval" in err and "k-means" in err
     quiet.compute()
     assert capsys.readouterr().err == ""
+
+
+def test_update_from_batch_equals_update() -> None:
+    """An evaluation batch (images, labels, indices[, is_query, is_gallery]) is unpacked by the metric itself."""
+    g = torch.Generator().manual_seed(13)
+    x, y = torch.randn(60, 8, generator=g), torch.randint(0, 6, (60,), generator=g)
+    idx = torch.arange(60)
+    qm = torch.rand(60, generator=g) < 0.5
+    images = torch.zeros(60, 1, 2, 2)
+    for batch, kwargs in (
+        ((images, y, idx), {"indices": idx}),
+        ((images, y, idx, qm, ~qm), {"indices": idx, "query_mask": qm, "gallery_mask": ~qm}),
+    ):
+        a, b = RetrievalMetrics(clustering=False), RetrievalMetrics(clustering=False)
+        a.update_from_batch(x, batch)
+        b.update(x, y, **kwargs)
+        assert a.compute() == b.compute()
+    with pytest.raises(ValueError, match="evaluation batch must be"):
+        RetrievalMetrics().update_from_batch(x, (images,))
+
+
+def test_tile_sizes_from_budget_and_compute_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Explicit tile sizes and memory budgets change the tiling, never a figure; compute_device='cpu' works."""
+    from lightning_dml.metrics._device import TILE_ENTRY_BYTES, tile_sizes
+
+    cpu = torch.device("cpu")
+    assert tile_sizes(cpu, 60502, 60502) == (2048, 8192)
+    qb, gc = tile_sizes(cpu, 10**6, 10**6, tile_memory=TILE_ENTRY_BYTES * 100 * 100)
+    assert qb * gc <= 100 * 100 and qb == 100
+    assert tile_sizes(cpu, 50, 70, query_block=1000, gallery_chunk=7) == (50, 7)
+    # CUDA: a quarter of the free memory, at most 4 GB (the logic, with the free memory of an 80 GB GPU faked)
+    from lightning_dml.metrics import _device
+
+    free = {"now": 80 * 2**30}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free["now"], 80 * 2**30))
+    gpu = torch.device("cuda")
+    assert tile_sizes(gpu, 10**6, 10**6) == (16384, 16384)
+    assert _device.GPU_TILE_MEMORY_CAP == TILE_ENTRY_BYTES * 16384 * 16384
+    free["now"] = 4 * TILE_ENTRY_BYTES * 4096 * 4096  # a busy GPU: smaller tiles
+    assert tile_sizes(gpu, 10**6, 10**6) == (4096, 4096)
+    assert tile_sizes(gpu, 5000, 10**6) == (4096, 4096)
+    assert tile_sizes(gpu, 1000, 3000) == (1000, 3000)
+    x, y = _tricky_set(n=200, seed=14)
+    ref = brute_metrics(x, y, (1, 4))
+    for kwargs in ({"tile_memory": TILE_ENTRY_BYTES * 30 * 30}, {"query_block": 33, "gallery_chunk": 17}):
+        got = F.retrieval_metrics(x, y, recall_at=(1, 4), **kwargs)
+        for key in ("recall@1", "recall@4", "map@r"):
+            assert got[key] == pytest.approx(ref[key], abs=1e-12), (kwargs, key)
+    m = RetrievalMetrics(recall_at=(1, 4), clustering=False, compute_device="cpu", tile_memory=TILE_ENTRY_BYTES * 900)
+    m.update(x, y)
+    assert m.compute()["recall@4"] == pytest.approx(ref["recall@4"], abs=1e-12)

@@ -12,7 +12,6 @@ import torch
 from torch import Tensor
 
 from lightning_dml.callbacks.embedding import embed_loader
-from lightning_dml.data.base import split_eval_batch
 from lightning_dml.metrics import RetrievalMetrics
 
 __all__ = ["RetrievalComparison", "RetrievalGridLogger", "evaluate_embeddings", "format_table"]
@@ -29,15 +28,15 @@ def evaluate_embeddings(
     """Retrieval metrics of ``embed(images)`` over every batch of ``dataloader`` (a module is run in eval mode
     and its mode restored, see :func:`~lightning_dml.callbacks.embedding.embed_loader`).
 
-    Batches are evaluation batches of a data module (see :func:`~lightning_dml.data.base.split_eval_batch`), so
-    query/gallery benchmarks are evaluated query against gallery. Under DDP every process passes its shard and
-    the metric gathers them (call it on every process).
+    Batches are evaluation batches of a data module (unpacked by
+    :meth:`~lightning_dml.metrics.RetrievalMetrics.update_from_batch`), so query/gallery benchmarks are evaluated
+    query against gallery. Under DDP every process passes its shard and the metric gathers them (call it on every
+    process).
     """
     embeddings, rest = embed_loader(embed, dataloader, device)
     metric = RetrievalMetrics(recall_at=(1, 2, 4, 8), clustering=clustering).to(device)
     if rest:
-        _, targets = split_eval_batch([embeddings, *rest])
-        metric.update(embeddings, **{k: None if v is None else v.to(device) for k, v in targets.items()})
+        metric.update_from_batch(embeddings, [embeddings, *(t.to(device) for t in rest)])
     return metric.compute()
 
 

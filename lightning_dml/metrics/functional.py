@@ -1,4 +1,4 @@
-"""Functional retrieval and clustering metrics on plain tensors.
+"""Functional retrieval and clustering metrics on plain tensors: the library's one evaluation pipeline.
 
 Definitions (SPEC section 9.3; the retrieval protocol of Song et al., CVPR 2016, and the metrics of Musgrave,
 Belongie & Lim, *A Metric Learning Reality Check*, ECCV 2020):
@@ -16,7 +16,8 @@ Belongie & Lim, *A Metric Learning Reality Check*, ECCV 2020):
 
 Ranking: cosine similarity of L2-normalised embeddings (default) or Euclidean distance. **Tie rule**: at equal
 exact (float64) score, the gallery item with the smaller index in the split ranks first. Neighbour lists and
-ranks are exact (those of a float64 brute force); see :mod:`lightning_dml.metrics._search`.
+ranks are exact (those of a float64 brute force); see :mod:`lightning_dml.metrics._search`. Everything computes on
+the device of the embeddings unless ``device`` says otherwise.
 """
 
 from __future__ import annotations
@@ -24,13 +25,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from lightning_dml.distributed import all_gather_object, get_rank, get_world_size
+from lightning_dml.input_checks import check_embeddings, check_finite, check_labels, check_per_row, check_same_device
+from lightning_dml.metrics._ddp import common_min, run_distributed
+from lightning_dml.metrics._device import bf16_matmul_is_fast, resolve_precision, tile_sizes
+from lightning_dml.metrics._precision import Scorer
 from lightning_dml.metrics._progress import track
-from lightning_dml.metrics._search import ExactSearch, Scorer, SearchResult, bf16_matmul_is_fast, resolve_precision
+from lightning_dml.metrics._search import ExactSearch
 from lightning_dml.metrics.kmeans import kmeans
+from lightning_dml.scaling import l2_normalize
 
 __all__ = [
     "PreparedSet",
@@ -38,6 +46,7 @@ __all__ = [
     "bf16_matmul_is_fast",
     "check_inputs",
     "clustering_metrics",
+    "compute_device",
     "contingency",
     "f1_score",
     "kmeans",
@@ -64,44 +73,36 @@ def check_inputs(
     *,
     where: str = "inputs",
 ) -> None:
-    """Raise ``ValueError`` naming the problem for malformed metric inputs."""
-    if not isinstance(embeddings, Tensor) or embeddings.ndim != 2:
-        shape = tuple(embeddings.shape) if isinstance(embeddings, Tensor) else type(embeddings).__name__
-        raise ValueError(f"{where}: embeddings must be a 2-D tensor [N, D], got {shape}")
-    if not embeddings.is_floating_point():
-        raise ValueError(f"{where}: embeddings must be floating point, got dtype {embeddings.dtype}")
+    """Raise ``ValueError`` naming the problem for malformed metric inputs (:mod:`lightning_dml.input_checks`)."""
+    check_embeddings(embeddings, where=where, allow_empty=True)
     n = embeddings.shape[0]
-    if embeddings.shape[1] == 0:
-        raise ValueError(f"{where}: embeddings have dimension D = 0")
-    if not isinstance(labels, Tensor) or labels.ndim != 1 or labels.shape[0] != n:
-        shape = tuple(labels.shape) if isinstance(labels, Tensor) else type(labels).__name__
-        raise ValueError(f"{where}: labels must be a 1-D tensor with one entry per embedding ({n}), got {shape}")
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise ValueError(f"{where}: labels must be an integer tensor, got dtype {labels.dtype}")
-    finite = torch.isfinite(embeddings).all(dim=1)
-    if not bool(finite.all()):
-        bad = (~finite).nonzero().squeeze(1)
-        kind = "NaN" if bool(torch.isnan(embeddings[bad[0]]).any()) else "Inf"
-        raise ValueError(
-            f"{where}: embeddings contain non-finite values ({kind}) in {bad.numel()} row(s), first at row {int(bad[0])}"
-        )
-    for name, t, integer in (("indices", indices, True), ("query_mask", query_mask, False), ("gallery_mask", gallery_mask, False)):
-        if t is None:
-            continue
-        if not isinstance(t, Tensor) or t.ndim != 1 or t.shape[0] != n:
-            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{where}: {name} must be a 1-D tensor with one entry per embedding ({n}), got {shape}")
-        if integer and (t.is_floating_point() or t.dtype == torch.bool):
-            raise ValueError(f"{where}: {name} must be an integer tensor, got dtype {t.dtype}")
-        if not integer and t.dtype != torch.bool:
-            raise ValueError(f"{where}: {name} must be a bool tensor, got dtype {t.dtype}")
+    check_labels(labels, n, where=where)
+    check_finite(embeddings, where=where)
+    for name, t, kind in (("indices", indices, "integer"), ("query_mask", query_mask, "bool"), ("gallery_mask", gallery_mask, "bool")):
+        if t is not None:
+            check_per_row(t, n, name, kind=kind, where=where)
+            check_same_device(t, embeddings, name, where=where)
+    check_same_device(labels, embeddings, "labels", where=where)
     if (query_mask is None) != (gallery_mask is None):
         raise ValueError(f"{where}: give both query_mask and gallery_mask (In-Shop mode) or neither (all-vs-all)")
 
 
+def _check_options(recall_at: Sequence[int], metric: str) -> None:
+    for k in recall_at:
+        if int(k) < 1:
+            raise ValueError(f"recall_at values must be >= 1, got {k}")
+    if metric not in ("cosine", "euclidean"):
+        raise ValueError(f"metric must be 'cosine' or 'euclidean', got {metric!r}")
+
+
+def compute_device(embeddings: Tensor, device: torch.device | str | None = None) -> torch.device:
+    """The device the metrics compute on: ``device`` when given, else where the embeddings are."""
+    return embeddings.device if device is None else torch.device(device)
+
+
 @dataclass
 class PreparedSet:
-    """De-duplicated evaluation set, rows sorted by their index in the split."""
+    """Evaluation set on its compute device, rows sorted by their (unique) index in the split."""
 
     embeddings: Tensor  # float32 [N, D]
     labels: Tensor  # int64 [N]
@@ -116,49 +117,40 @@ def prepare(
     indices: Tensor | None = None,
     query_mask: Tensor | None = None,
     gallery_mask: Tensor | None = None,
+    *,
+    device: torch.device | str | None = None,
+    validate: bool = True,
 ) -> PreparedSet:
-    """Validate, move to CPU float32, drop repeated ``indices`` (DDP padding) and sort rows by index.
+    """Validate (unless ``validate=False``: checked already), move to the compute device as float32, sort by index.
 
-    Rows that share an index must be identical copies (the DistributedSampler pads by repeating items); a
-    conflict (same index, different label or embedding) raises ``ValueError``.
+    ``indices`` must be unique here (``RetrievalMetrics`` drops the copies that DDP padding repeats before it
+    calls the functional core); a repeated index raises ``ValueError``.
     """
-    check_inputs(embeddings, labels, indices, query_mask, gallery_mask)
-    x = embeddings.detach().to("cpu", torch.float32)
-    y = labels.detach().to("cpu", torch.long)
+    if validate:
+        check_inputs(embeddings, labels, indices, query_mask, gallery_mask)
+    dev = compute_device(embeddings, device)
+    x = embeddings.detach().to(dev, torch.float32)
+    y = labels.detach().to(dev, torch.long)
     n = x.shape[0]
     if n == 0:
         raise ValueError("no samples to evaluate: the metric received 0 embeddings")
     if not bool(torch.isfinite(x).all()):
         raise ValueError("embeddings overflow float32 (values beyond +-3.4e38 became Inf)")
-    qm = None if query_mask is None else query_mask.detach().to("cpu")
-    gm = None if gallery_mask is None else gallery_mask.detach().to("cpu")
+    qm = None if query_mask is None else query_mask.detach().to(dev)
+    gm = None if gallery_mask is None else gallery_mask.detach().to(dev)
     if indices is None:
-        idx = torch.arange(n)
-    else:
-        idx = indices.detach().to("cpu", torch.long)
-        order = torch.argsort(idx, stable=True)
-        idx, x, y = idx[order], x[order], y[order]
-        qm = None if qm is None else qm[order]
-        gm = None if gm is None else gm[order]
-        first = torch.ones(n, dtype=torch.bool)
-        first[1:] = idx[1:] != idx[:-1]
-        if not bool(first.all()):
-            # each duplicate must equal the first row with that index
-            grp = torch.cumsum(first.long(), 0) - 1
-            keep_rows = first.nonzero().squeeze(1)
-            ref = keep_rows[grp]
-            same = (y == y[ref]) & (x == x[ref]).all(dim=1)
-            if qm is not None:
-                same &= (qm == qm[ref]) & (gm == gm[ref])
-            if not bool(same.all()):
-                bad = int(idx[(~same).nonzero()[0, 0]])
-                raise ValueError(
-                    f"index {bad} appears more than once with different labels, embeddings or masks; "
-                    "repeated indices are only allowed for identical copies (DistributedSampler padding)"
-                )
-            idx, x, y = idx[first], x[first], y[first]
-            qm = None if qm is None else qm[first]
-            gm = None if gm is None else gm[first]
+        return PreparedSet(x.contiguous(), y, torch.arange(n, device=dev), qm, gm)
+    idx = indices.detach().to(dev, torch.long)
+    order = torch.argsort(idx, stable=True)
+    idx, x, y = idx[order], x[order], y[order]
+    repeated = (idx[1:] == idx[:-1]).nonzero()
+    if repeated.numel():
+        raise ValueError(
+            f"index {int(idx[int(repeated[0, 0])])} appears more than once; indices must be unique "
+            "(RetrievalMetrics removes identical DistributedSampler padding copies before computing)"
+        )
+    qm = None if qm is None else qm[order]
+    gm = None if gm is None else gm[order]
     return PreparedSet(x.contiguous(), y, idx, qm, gm)
 
 
@@ -172,7 +164,7 @@ class RetrievalStats:
         num_relevant: R, the number of same-class gallery items (query excluded).
         relevance: ``[Q, k]`` bool, whether each of the k nearest neighbours has the query's class.
         neighbors: ``[Q, k]`` row positions (into the prepared set) of the neighbours, -1 for padding.
-        scores: ``[Q, k]`` exact float64 scores of the neighbours.
+        scores: ``[Q, k]`` float64 scores of the neighbours (exact where their order needed it).
         query_rows: ``[Q]`` row positions of the queries in the prepared set.
     """
 
@@ -187,7 +179,7 @@ class RetrievalStats:
 def _items(ps: PreparedSet) -> tuple[Tensor, Tensor]:
     n = ps.labels.numel()
     if ps.query_mask is None:
-        all_items = torch.arange(n)
+        all_items = torch.arange(n, device=ps.labels.device)
         return all_items, all_items
     q = ps.query_mask.nonzero().squeeze(1)
     g = ps.gallery_mask.nonzero().squeeze(1)
@@ -203,28 +195,32 @@ def build_search(
     *,
     metric: str = "cosine",
     precision: str = "auto",
-    query_block: int = 2048,
-    gallery_chunk: int = 8192,
+    query_block: int | None = None,
+    gallery_chunk: int | None = None,
+    tile_memory: int | None = None,
+    distributed: bool = False,
+    process_group: Any = None,
 ) -> ExactSearch:
-    """Set up the chunked exact search over a prepared set (global query blocks of ``query_block``)."""
+    """Set up the chunked exact search over a prepared set, on the set's device.
+
+    Tile sizes: explicit ``query_block`` / ``gallery_chunk``, else from ``tile_memory`` bytes, else from the free
+    memory of the device (:func:`lightning_dml.metrics._device.tile_sizes`); with ``distributed`` the smallest
+    size over the processes, so every process works on the same global grid.
+    """
     x = ps.embeddings
     if metric == "cosine":
-        zero = torch.linalg.vector_norm(x, dim=1) == 0
+        zero = (x == 0).all(dim=1)
         if bool(zero.any()):
             raise ValueError(
                 f"cosine metric: {int(zero.sum())} embedding(s) have zero norm (first at split index "
                 f"{int(ps.indices[zero.nonzero()[0, 0]])}); they have no direction"
             )
-    scorer = Scorer(x, metric, resolve_precision(precision))
+    scorer = Scorer(x, metric, resolve_precision(precision, x.device))
     q, g = _items(ps)
-    return ExactSearch(scorer, ps.labels, q, g, query_block=query_block, gallery_chunk=gallery_chunk)
-
-
-def _stats_from_result(search: ExactSearch, res: SearchResult, q_rows: Tensor) -> RetrievalStats:
-    nb = torch.where(res.neighbors >= 0, search.g_items[res.neighbors.clamp(min=0)], res.neighbors)
-    q_lab = search.labels[q_rows]
-    rel = (nb >= 0) & (search.labels[nb.clamp(min=0)] == q_lab.unsqueeze(1))
-    return RetrievalStats(res.first_positive_rank, res.num_positives, rel, nb, res.scores, q_rows)
+    qb, gc = tile_sizes(x.device, q.numel(), g.numel(), query_block, gallery_chunk, tile_memory)
+    if distributed and get_world_size(process_group) > 1:
+        qb, gc = common_min((qb, gc), x.device, process_group)
+    return ExactSearch(scorer, ps.labels, q, g, query_block=qb, gallery_chunk=gc)
 
 
 def retrieval_stats(
@@ -238,23 +234,50 @@ def retrieval_stats(
     k: int | None = None,
     rank_ks: Sequence[int] = (1,),
     precision: str = "auto",
-    query_block: int = 2048,
-    gallery_chunk: int = 8192,
+    device: torch.device | str | None = None,
+    query_block: int | None = None,
+    gallery_chunk: int | None = None,
+    tile_memory: int | None = None,
+    distributed: bool = False,
+    process_group: Any = None,
+    validate: bool = True,
 ) -> RetrievalStats:
     """Exact per-query statistics: rank of the best same-class item and the k-nearest-neighbour relevance.
+
+    The evaluation pipeline (prepare -> exact search -> statistics); :func:`retrieval_metrics` and
+    ``RetrievalMetrics`` reduce its output to the metric dictionary.
 
     Args:
         k: length of the neighbour lists; default = the largest R (what MAP@R needs), at least 1.
         rank_ks: the K values for which ``first_positive_rank < K`` must be decided exactly (Recall@K).
             The reported rank is exact where the approximate pass leaves it ambiguous for one of these K;
             elsewhere it is a lower bound on the same side of every K as the exact rank.
+        precision: approximate-pass precision, ``"auto"``, ``"fp32"``, ``"tf32"`` or ``"bf16"`` (results are exact
+            in every case; see :func:`lightning_dml.metrics._device.resolve_precision`).
+        device: compute device; default where the embeddings are (``"cpu"`` forces the host).
+        query_block, gallery_chunk, tile_memory: tile sizes or a tile memory budget in bytes (see
+            :func:`build_search`).
+        distributed: under an initialised ``torch.distributed`` run, every process passes the *same* full set and
+            scores its share of queries; all processes return the full, identical statistics.
+        process_group: the process group of ``distributed`` (default group when None).
+        validate: check the inputs (``False`` when the caller checked them already).
     """
-    ps = prepare(embeddings, labels, indices, query_mask, gallery_mask)
-    search = build_search(ps, metric=metric, precision=precision, query_block=query_block, gallery_chunk=gallery_chunk)
+    ps = prepare(embeddings, labels, indices, query_mask, gallery_mask, device=device, validate=validate)
+    search = build_search(
+        ps, metric=metric, precision=precision, query_block=query_block, gallery_chunk=gallery_chunk,
+        tile_memory=tile_memory, distributed=distributed, process_group=process_group,
+    )
     if k is None:
         k = max(1, int(search.num_positives.max()))
-    res = search.run(int(k), tuple(sorted(set(int(v) for v in rank_ks))))
-    return _stats_from_result(search, res, search.q_items)
+    ks = tuple(sorted({int(v) for v in rank_ks}))
+    if distributed and get_world_size(process_group) > 1:
+        res = run_distributed(search, int(k), ks, process_group)
+    else:
+        res = search.run(int(k), ks)
+    nb = torch.where(res.neighbors >= 0, search.g_items[res.neighbors.clamp(min=0)], res.neighbors)
+    q_rows = search.q_items
+    rel = (nb >= 0) & (ps.labels[nb.clamp(min=0)] == ps.labels[q_rows].unsqueeze(1))
+    return RetrievalStats(res.first_positive_rank, res.num_positives, rel, nb, res.scores, q_rows)
 
 
 def recall_at_k(first_positive_rank: Tensor, k: int) -> float:
@@ -276,7 +299,7 @@ def _r_mask(relevance: Tensor, num_relevant: Tensor) -> tuple[Tensor, Tensor]:
     r = num_relevant[keep]
     if r.numel() and rel.shape[1] < int(r.max()):
         raise ValueError(f"neighbour lists of length {rel.shape[1]} are shorter than the largest R = {int(r.max())}")
-    in_r = torch.arange(rel.shape[1]).unsqueeze(0) < r.unsqueeze(1)
+    in_r = torch.arange(rel.shape[1], device=rel.device).unsqueeze(0) < r.unsqueeze(1)
     return rel & in_r, r
 
 
@@ -294,7 +317,7 @@ def map_at_r(relevance: Tensor, num_relevant: Tensor) -> float:
     if r.numel() == 0:
         return 0.0
     relf = rel.double()
-    prec = torch.cumsum(relf, dim=1) / torch.arange(1, rel.shape[1] + 1, dtype=torch.float64)
+    prec = torch.cumsum(relf, dim=1) / torch.arange(1, rel.shape[1] + 1, dtype=torch.float64, device=rel.device)
     ap = (prec * relf).sum(dim=1) / r.double()
     return float(ap.mean())
 
@@ -321,17 +344,20 @@ def retrieval_metrics(
     query_mask: Tensor | None = None,
     gallery_mask: Tensor | None = None,
     metric: str = "cosine",
-    precision: str = "auto",
+    **options: Any,
 ) -> dict[str, float]:
-    """Recall@K, Precision@1 and (optionally) R-Precision and MAP@R, exactly, in one chunked pass."""
-    for k in recall_at:
-        if int(k) < 1:
-            raise ValueError(f"recall_at values must be >= 1, got {k}")
-    ps = prepare(embeddings, labels, indices, query_mask, gallery_mask)
-    search = build_search(ps, metric=metric, precision=precision)
-    k = max(1, int(search.num_positives.max())) if map_at_r else 1
-    res = search.run(k, tuple(sorted({int(v) for v in recall_at} | {1})))
-    stats = _stats_from_result(search, res, search.q_items)
+    """Recall@K, Precision@1 and (optionally) R-Precision and MAP@R, exactly, in one chunked pass.
+
+    The single evaluation pipeline of the library (``RetrievalMetrics.compute`` calls it): :func:`retrieval_stats`
+    reduced by :func:`stats_to_metrics`; neighbour lists of length max R are only built with ``map_at_r``.
+    ``options`` are those of :func:`retrieval_stats`: ``precision``, ``device``, ``query_block``,
+    ``gallery_chunk``, ``tile_memory``, ``distributed``, ``process_group``, ``validate``.
+    """
+    _check_options(recall_at, metric)
+    stats = retrieval_stats(
+        embeddings, labels, indices=indices, query_mask=query_mask, gallery_mask=gallery_mask, metric=metric,
+        k=None if map_at_r else 1, rank_ks=tuple(recall_at) + (1,), **options,
+    )
     return stats_to_metrics(stats, recall_at, map_at_r)
 
 
@@ -342,6 +368,7 @@ def knn(
     *,
     metric: str = "cosine",
     precision: str = "auto",
+    device: torch.device | str | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Exact k nearest neighbours, in chunks, never building a full N x M matrix.
 
@@ -349,6 +376,7 @@ def knn(
         query: ``[Q, D]`` embeddings.
         gallery: ``[M, D]``; ``None`` searches ``query`` against itself, each row excluded from its own list.
         k: number of neighbours.
+        device: compute device; default where ``query`` is.
 
     Returns:
         ``(scores, indices)``: exact float64 scores (cosine similarity, or negative squared Euclidean
@@ -357,9 +385,12 @@ def knn(
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
+    if metric not in ("cosine", "euclidean"):
+        raise ValueError(f"metric must be 'cosine' or 'euclidean', got {metric!r}")
     if gallery is None:
-        y = torch.zeros(query.shape[0] if isinstance(query, Tensor) and query.ndim == 2 else 0, dtype=torch.long)
-        ps = prepare(query, y)
+        n = query.shape[0] if isinstance(query, Tensor) and query.ndim == 2 else 0
+        dev = query.device if isinstance(query, Tensor) else None
+        ps = prepare(query, torch.zeros(n, dtype=torch.long, device=dev), device=device)
     else:
         if not isinstance(gallery, Tensor) or gallery.ndim != 2 or query.ndim != 2 or gallery.shape[1] != query.shape[1]:
             raise ValueError(
@@ -367,15 +398,14 @@ def knn(
                 f"{tuple(getattr(gallery, 'shape', ()))}"
             )
         nq, ng = query.shape[0], gallery.shape[0]
-        emb = torch.cat([query.detach().float(), gallery.detach().float()])
-        y = torch.zeros(nq + ng, dtype=torch.long)
-        qm = torch.zeros(nq + ng, dtype=torch.bool)
+        emb = torch.cat([query.detach().float(), gallery.detach().float().to(query.device)])
+        qm = torch.zeros(nq + ng, dtype=torch.bool, device=query.device)
         qm[:nq] = True
-        ps = prepare(emb, y, None, qm, ~qm)
+        ps = prepare(emb, torch.zeros(nq + ng, dtype=torch.long, device=query.device), None, qm, ~qm, device=device)
     search = build_search(ps, metric=metric, precision=precision)
     res = search.run(int(k), (), exact_scores=True)
-    nb = res.neighbors
-    return res.scores, nb
+    scores = res.scores if search.scorer.score_scale == 1.0 else res.scores / search.scorer.score_scale
+    return scores, res.neighbors
 
 
 # --------------------------------------------------------------------------------------------- clustering
@@ -400,8 +430,8 @@ def nmi(labels: Tensor, clusters: Tensor) -> float:
 
     NMI = I(Y; C) / ((H(Y) + H(C)) / 2). As in scikit-learn, two single-cluster labelings score 1.0.
     """
-    labels = labels.detach().cpu().long()
-    clusters = clusters.detach().cpu().long()
+    labels = labels.detach().long()
+    clusters = clusters.detach().long().to(labels.device)
     n = labels.numel()
     if n == 0:
         raise ValueError("nmi: empty labelling")
@@ -432,8 +462,8 @@ def f1_score(labels: Tensor, clusters: Tensor) -> float:
     precision = |same cluster and same class| / |same cluster|, recall = |same cluster and same class| /
     |same class|, F1 = 2PR / (P + R). A zero denominator gives 0 for that term (documented convention).
     """
-    labels = labels.detach().cpu().long()
-    clusters = clusters.detach().cpu().long()
+    labels = labels.detach().long()
+    clusters = clusters.detach().long().to(labels.device)
     if labels.numel() == 0:
         raise ValueError("f1_score: empty labelling")
 
@@ -458,19 +488,38 @@ def clustering_metrics(
     iters: int = 20,
     backend: str = "auto",
     seed_offset: int = 0,
+    device: torch.device | str | None = None,
+    distributed: bool = False,
+    process_group: Any = None,
+    validate: bool = True,
 ) -> dict[str, float]:
     """NMI and F1 of k-means (k = number of classes), averaged over ``seeds`` runs (seeds ``seed_offset + s``).
 
-    In cosine mode the embeddings are L2-normalised before clustering.
+    In cosine mode the embeddings are L2-normalised before clustering (scale-safely: each row is first divided
+    by a power of two near its largest entry, so no norm overflows). The torch k-means runs on ``device``
+    (default: where the embeddings are); ``backend="faiss"`` runs on the CPU. With ``distributed`` (every process
+    passing the same set) seed ``s`` runs on process ``s % world`` and the figures are gathered.
     """
-    check_inputs(embeddings, labels, where="clustering_metrics")
-    x = embeddings.detach().to("cpu", torch.float32)
+    if validate:
+        check_inputs(embeddings, labels, where="clustering_metrics")
+    if metric not in ("cosine", "euclidean"):
+        raise ValueError(f"metric must be 'cosine' or 'euclidean', got {metric!r}")
+    if seeds < 1:
+        raise ValueError(f"seeds must be >= 1, got {seeds}")
+    dev = compute_device(embeddings, device)
+    x = embeddings.detach().to(dev, torch.float32)
+    y = labels.detach().to(dev)
     if metric == "cosine":
-        x = torch.nn.functional.normalize(x, dim=1)
-    k = int(torch.unique(labels).numel())
-    nmis, f1s = [], []
-    for s in track(range(seeds), "k-means seeds") if seeds > 1 else range(seeds):
+        x = l2_normalize(x, dim=1)
+    k = int(torch.unique(y).numel())
+    rank, world = (get_rank(process_group), get_world_size(process_group)) if distributed else (0, 1)
+    mine = range(rank, seeds, world)
+    done = {}
+    for s in track(mine, "k-means seeds") if len(mine) > 1 else mine:
         assign = kmeans(x, k, iters=iters, seed=seed_offset + s, backend=backend)
-        nmis.append(nmi(labels, assign))
-        f1s.append(f1_score(labels, assign))
-    return {"nmi": float(sum(nmis) / len(nmis)), "f1": float(sum(f1s) / len(f1s))}
+        done[s] = (nmi(y, assign), f1_score(y, assign))
+    if world > 1:
+        for part in all_gather_object(done, process_group):
+            done.update(part)
+    vals = [done[s] for s in range(seeds)]
+    return {"nmi": float(sum(v[0] for v in vals) / seeds), "f1": float(sum(v[1] for v in vals) / seeds)}

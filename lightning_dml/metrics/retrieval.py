@@ -1,16 +1,17 @@
 """``RetrievalMetrics``: exact zero-shot retrieval and clustering metrics as a ``torchmetrics.Metric``.
 
-Accumulates raw embeddings, labels and split indices (list states, ``dist_reduce_fx="cat"``). ``compute()``
-de-duplicates the rows that ``DistributedSampler`` padding repeats (by index), sorts them by index, and
-computes the metrics of :mod:`lightning_dml.metrics.functional`. Under DDP each process scores its share of
-the global query blocks (block b goes to process ``b % world_size``) against the full gallery and the
-per-query results are gathered, so every figure equals the single-process one to the last digit. In
-all-vs-all mode the work unit is a tile of the symmetric similarity matrix (each tile serves both of its
-query blocks); partial counts and candidate lists are merged across processes before the exact finish.
+A thin stateful layer over :mod:`lightning_dml.metrics.functional`: it accumulates raw embeddings, labels and
+split indices (list states, ``dist_reduce_fx="cat"``, gathered by torchmetrics under DDP), checks every batch once
+in ``update``, drops at ``compute()`` the rows that ``DistributedSampler`` padding repeats (by index), and hands the
+set to :func:`~lightning_dml.metrics.functional.retrieval_metrics` and
+:func:`~lightning_dml.metrics.functional.clustering_metrics`, on the device of the states (or ``compute_device``).
+Under DDP every process scores its share of the work against the full gallery and the results are gathered, so
+every figure equals the single-process one to the last digit.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,21 +21,57 @@ from torchmetrics import Metric
 from torchmetrics.utilities.data import dim_zero_cat
 
 from lightning_dml.metrics import functional as F
+from lightning_dml.metrics._device import PRECISIONS
 from lightning_dml.metrics._progress import progress_bars
 
-__all__ = ["RetrievalMetrics"]
+__all__ = ["RetrievalMetrics", "eval_batch_targets"]
 
 
-def _dist_info(group: Any) -> tuple[int, int]:
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return 1, 0
-    return torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+def eval_batch_targets(batch: Sequence[Tensor]) -> dict[str, Tensor | None]:
+    """The keyword arguments of ``RetrievalMetrics.update`` carried by an evaluation batch of the data modules.
+
+    Evaluation items are ``(image, label, index)``, or ``(image, label, index, is_query, is_gallery)`` for the
+    query/gallery benchmarks (In-Shop); the images (first entry) are not used.
+    """
+    if not isinstance(batch, (list, tuple)) or len(batch) < 2:
+        length = len(batch) if isinstance(batch, (list, tuple)) else "-"
+        raise ValueError(
+            "an evaluation batch must be (images, labels[, indices[, is_query, is_gallery]]), got "
+            f"{type(batch).__name__} of length {length}"
+        )
+    inshop = len(batch) > 4
+    return {
+        "labels": batch[1],
+        "indices": batch[2] if len(batch) > 2 else None,
+        "query_mask": batch[3] if inshop else None,
+        "gallery_mask": batch[4] if inshop else None,
+    }
 
 
-def _all_gather(obj: Any, group: Any, world: int) -> list[Any]:
-    out: list[Any] = [None] * world
-    torch.distributed.all_gather_object(out, obj, group=group)
-    return out
+def drop_padding(
+    embeddings: Tensor, labels: Tensor, indices: Tensor, query_mask: Tensor, gallery_mask: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Keep the first row of each index (DistributedSampler pads a shard by repeating items).
+
+    Rows that share an index must be identical copies; a conflict (same index, different label, embedding or
+    mask) raises ``ValueError``.
+    """
+    order = torch.argsort(indices, stable=True)
+    idx = indices[order]
+    first = torch.ones_like(idx, dtype=torch.bool)
+    first[1:] = idx[1:] != idx[:-1]
+    if bool(first.all()):
+        return embeddings, labels, indices, query_mask, gallery_mask
+    x, y, qm, gm = embeddings[order], labels[order], query_mask[order], gallery_mask[order]
+    ref = first.nonzero().squeeze(1)[torch.cumsum(first.long(), 0) - 1]
+    same = (y == y[ref]) & (x == x[ref]).all(dim=1) & (qm == qm[ref]) & (gm == gm[ref])
+    if not bool(same.all()):
+        bad = int(idx[(~same).nonzero()[0, 0]])
+        raise ValueError(
+            f"index {bad} appears more than once with different labels, embeddings or masks; "
+            "repeated indices are only allowed for identical copies (DistributedSampler padding)"
+        )
+    return x[first], y[first], idx[first], qm[first], gm[first]
 
 
 class RetrievalMetrics(Metric):
@@ -51,18 +88,26 @@ class RetrievalMetrics(Metric):
         kmeans_seeds: number of k-means runs (seeds 0..n-1) averaged.
         map_at_r: compute ``map@r`` and ``r_precision``.
         metric: ``"cosine"`` (on L2-normalised embeddings) or ``"euclidean"``.
-        precision: approximate-pass precision, ``"auto"`` (bf16 when the CPU has fast bf16, else fp32),
-            ``"fp32"`` or ``"bf16"``. Results are exact in every case.
+        precision: approximate-pass precision, ``"auto"`` (CUDA: TF32 on GPUs with TF32 tensor cores, else fp32;
+            CPU: bf16 when the CPU has fast bf16, else fp32), ``"fp32"``, ``"tf32"`` or ``"bf16"``. Results are
+            exact in every case.
         kmeans_iters: Lloyd iterations per k-means run.
-        kmeans_backend: ``"auto"``, ``"torch"`` or ``"faiss"``.
-        query_block, gallery_chunk: chunk sizes of the search (memory ~ 4 * query_block * gallery_chunk bytes).
-        distributed_split: under DDP split the query blocks across processes (else each recomputes all).
+        kmeans_backend: ``"auto"``, ``"torch"`` or ``"faiss"`` (CPU).
+        compute_device: where ``compute()`` runs: ``None`` = where the states are (the module's device),
+            ``"cpu"`` forces the host (for a GPU too small to hold the set), or any ``torch.device``.
+        query_block, gallery_chunk: tile sizes of the search; ``None`` sizes them from ``tile_memory`` or the free
+            memory of the device (CPU: 2048 x 8192).
+        tile_memory: memory budget in bytes for the score tiles (``None``: a quarter of the free GPU memory, at
+            most 4 GB; CPU: fixed tiles).
+        distributed_split: under DDP split the search and the k-means seeds across processes (else each
+            process recomputes all).
         progress: show progress bars (tqdm) over the retrieval tiles and the k-means iterations in ``compute``.
 
     ``update(embeddings, labels, indices=None, query_mask=None, gallery_mask=None)``: ``indices`` is the
     position of each item in its split; pass it under DDP (it removes padding duplicates and makes the
     result independent of sharding). ``query_mask``/``gallery_mask`` select In-Shop mode (queries ranked
     against the gallery); without them every item is a query against all others.
+    ``update_from_batch(embeddings, batch)`` takes an evaluation batch of the data modules as it comes.
     """
 
     is_differentiable = False
@@ -79,8 +124,10 @@ class RetrievalMetrics(Metric):
         precision: str = "auto",
         kmeans_iters: int = 20,
         kmeans_backend: str = "auto",
-        query_block: int = 2048,
-        gallery_chunk: int = 8192,
+        compute_device: torch.device | str | None = None,
+        query_block: int | None = None,
+        gallery_chunk: int | None = None,
+        tile_memory: int | None = None,
         distributed_split: bool = True,
         progress: bool = False,
         **kwargs: Any,
@@ -91,8 +138,8 @@ class RetrievalMetrics(Metric):
             raise ValueError(f"recall_at values must be >= 1, got {recall_at}")
         if metric not in ("cosine", "euclidean"):
             raise ValueError(f"metric must be 'cosine' or 'euclidean', got {metric!r}")
-        if precision not in ("auto", "fp32", "bf16"):
-            raise ValueError(f"precision must be 'auto', 'fp32' or 'bf16', got {precision!r}")
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         if kmeans_seeds < 1:
             raise ValueError(f"kmeans_seeds must be >= 1, got {kmeans_seeds}")
         if kmeans_backend not in ("auto", "torch", "faiss"):
@@ -105,8 +152,10 @@ class RetrievalMetrics(Metric):
         self.precision = precision
         self.kmeans_iters = int(kmeans_iters)
         self.kmeans_backend = kmeans_backend
-        self.query_block = int(query_block)
-        self.gallery_chunk = int(gallery_chunk)
+        self.compute_device = None if compute_device is None else torch.device(compute_device)
+        self.query_block = query_block
+        self.gallery_chunk = gallery_chunk
+        self.tile_memory = tile_memory
         self.distributed_split = bool(distributed_split)
         self.progress = bool(progress)
         self.add_state("embeddings", default=[], dist_reduce_fx="cat")
@@ -137,73 +186,62 @@ class RetrievalMetrics(Metric):
         self.indices.append(
             indices.detach().long() if indices is not None else torch.full((n,), -1, dtype=torch.long, device=dev)
         )
-        self.query_mask.append(query_mask.detach() if query_mask is not None else torch.ones(n, dtype=torch.bool, device=dev))
+        self.query_mask.append(
+            query_mask.detach() if query_mask is not None else torch.ones(n, dtype=torch.bool, device=dev)
+        )
         self.gallery_mask.append(
             gallery_mask.detach() if gallery_mask is not None else torch.ones(n, dtype=torch.bool, device=dev)
         )
 
+    def update_from_batch(self, embeddings: Tensor, batch: Sequence[Tensor]) -> None:
+        """``update`` from the embeddings of an evaluation batch ``(images, labels, indices[, is_query, is_gallery])``
+        (the images are not used)."""
+        self.update(embeddings, **eval_batch_targets(batch))
+
     # ------------------------------------------------------------------------------------------- compute
-    def _gathered(self) -> F.PreparedSet:
+    def _gathered(self) -> dict[str, Any]:
         # list states before a DDP sync, concatenated tensors after it
         if isinstance(self.embeddings, list) and not self.embeddings:
             raise ValueError("RetrievalMetrics.compute() called with no data: call update() with embeddings first")
-        emb = dim_zero_cat(self.embeddings)
-        lab = dim_zero_cat(self.labels)
-        idx = dim_zero_cat(self.indices)
-        qm = dim_zero_cat(self.query_mask)
-        gm = dim_zero_cat(self.gallery_mask)
+        emb, lab, idx, qm, gm = (
+            dim_zero_cat(s) for s in (self.embeddings, self.labels, self.indices, self.query_mask, self.gallery_mask)
+        )
         if emb.shape[0] == 0:
             raise ValueError("RetrievalMetrics.compute() called with no data: call update() with embeddings first")
+        if self.compute_device is not None:  # the explicit device (e.g. the CPU path for a GPU too small)
+            emb, lab, idx, qm, gm = (t.to(self.compute_device) for t in (emb, lab, idx, qm, gm))
         missing = idx < 0
         if bool(missing.all()):
             idx = None
         elif bool(missing.any()):
             raise ValueError("RetrievalMetrics: indices were given for some update() calls but not for others")
+        else:
+            emb, lab, idx, qm, gm = drop_padding(emb, lab, idx, qm, gm)
         inshop = not (bool(qm.all()) and bool(gm.all()))
-        return F.prepare(emb, lab, idx, qm if inshop else None, gm if inshop else None)
+        return {
+            "embeddings": emb, "labels": lab, "indices": idx,
+            "query_mask": qm if inshop else None, "gallery_mask": gm if inshop else None,
+        }
 
     def compute(self) -> dict[str, float]:
         """All metrics as a ``dict[str, float]`` (values in [0, 1])."""
-        if self.progress:
-            with progress_bars():
-                return self._compute()
-        return self._compute()
-
-    def _compute(self) -> dict[str, float]:
-        ps = self._gathered()
-        world, rank = _dist_info(self.process_group)
-        split = self.distributed_split and world > 1
-        search = F.build_search(
-            ps, metric=self.metric, precision=self.precision, query_block=self.query_block, gallery_chunk=self.gallery_chunk
-        )
-        k = max(1, int(search.num_positives.max())) if self.map_at_r else 1
-        ks = tuple(sorted(set(self.recall_at) | {1}))
-        if split:
-            res = search.run_distributed(k, ks, rank, world, lambda obj: _all_gather(obj, self.process_group, world))
-        else:
-            res = search.run(k, ks)
-        stats = F._stats_from_result(search, res, search.q_items)
-        out = F.stats_to_metrics(stats, self.recall_at, self.map_at_r)
-        if self.clustering:
-            out.update(self._clustering(ps, world, rank, split))
-        return out
-
-    def _clustering(self, ps: F.PreparedSet, world: int, rank: int, split: bool) -> dict[str, float]:
-        # cluster the evaluated set (the queries in In-Shop mode are not special: use all items)
-        x, y = ps.embeddings, ps.labels
-
-        def run(seed: int) -> tuple[float, float]:
-            r = F.clustering_metrics(
-                x, y, metric=self.metric, seeds=1, iters=self.kmeans_iters, backend=self.kmeans_backend, seed_offset=seed
+        # progress bars when asked for here, else as the caller's context says (DMLModule turns them on)
+        with progress_bars() if self.progress else contextlib.nullcontext():
+            data = self._gathered()
+            common = {"metric": self.metric, "distributed": self.distributed_split,
+                      "process_group": self.process_group, "validate": False}
+            out = F.retrieval_metrics(
+                **data, recall_at=self.recall_at, map_at_r=self.map_at_r, precision=self.precision,
+                query_block=self.query_block, gallery_chunk=self.gallery_chunk, tile_memory=self.tile_memory,
+                **common,
             )
-            return r["nmi"], r["f1"]
-
-        if split:
-            mine = {s: run(s) for s in range(rank, self.kmeans_seeds, world)}
-            merged: dict[int, tuple[float, float]] = {}
-            for part in _all_gather(mine, self.process_group, world):
-                merged.update(part)
-            vals = [merged[s] for s in range(self.kmeans_seeds)]
-        else:
-            vals = [run(s) for s in range(self.kmeans_seeds)]
-        return {"nmi": sum(v[0] for v in vals) / len(vals), "f1": sum(v[1] for v in vals) / len(vals)}
+            if self.clustering:
+                # cluster the evaluated set (In-Shop: query and gallery items alike)
+                x, y = data["embeddings"], data["labels"]
+                if data["indices"] is not None:  # the order of the items, as the retrieval uses it
+                    order = torch.argsort(data["indices"])
+                    x, y = x[order], y[order]
+                out.update(F.clustering_metrics(
+                    x, y, seeds=self.kmeans_seeds, iters=self.kmeans_iters, backend=self.kmeans_backend, **common
+                ))
+        return out

@@ -1,6 +1,7 @@
 """2-process (gloo, CPU) check that RetrievalMetrics under DDP equals the single-process result exactly.
 
-Run as a script (tests/test_metrics_ddp.py does it in a subprocess). 1,001 samples are sharded like
+Run as a script, ``metrics_ddp_script.py [WORLD]`` (default 2; tests/test_metrics_ddp.py runs 2 and 3 processes in
+a subprocess). 1,001 samples are sharded like
 DistributedSampler(shuffle=True, drop_last=False): the shards are padded by repeating items, arrive in a
 shuffled order and in uneven batches. Every figure must equal the single-process one to the last digit, for
 all-vs-all mode (with clustering, 2 k-means seeds split across the processes) and In-Shop mode.
@@ -21,7 +22,8 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..",
 
 from lightning_dml.metrics import RetrievalMetrics  # noqa: E402
 
-N, D, WORLD = 1001, 48, 2
+N, D = 1001, 48
+WORLD = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 KW = dict(recall_at=(1, 2, 4, 8, 16, 32), kmeans_seeds=2, kmeans_backend="torch", query_block=128, gallery_chunk=300)
 
 
@@ -59,7 +61,7 @@ def worker(rank: int, port: int, expected: tuple[dict, dict]) -> None:
     idx = shard(rank)
     m = RetrievalMetrics(**KW)
     shop = RetrievalMetrics(clustering=False, **{k: v for k, v in KW.items() if k != "kmeans_seeds"})
-    sizes = [97, 3, 200, 501]  # uneven batches
+    sizes = [97, 3, 200, 501]  # uneven batches (each shard has at most 501 items)
     start = 0
     for s in sizes:
         b = idx[start : start + s]
