@@ -14,7 +14,7 @@ export WANDB_SILENT ?= true
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "torch==2.14.1" "torchvision==0.29.1"
-	$(PY) -m pip install --quiet -e ".[dev,faiss]"
+	$(PY) -m pip install --quiet -e ".[dev,faiss,protocol]"
 	touch $(STAMP)
 
 install: $(STAMP)

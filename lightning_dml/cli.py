@@ -9,6 +9,7 @@ validates every key, including the loss's own arguments::
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from collections.abc import Sequence
@@ -135,6 +136,10 @@ def main(args: Sequence[str] | None = None) -> None:
     refused download, a checksum mismatch, a corrupt file) prints ``lightning-dml: error: <message>`` on stderr
     and exits with status 1, without traceback unless ``--debug`` or ``LIGHTNING_DML_DEBUG=1``. Every other
     exception is a bug and keeps its traceback.
+
+    ``lightning-dml cv ...`` (:mod:`lightning_dml.protocol.cv`) and ``lightning-dml sweep ...``
+    (:mod:`lightning_dml.protocol.sweep`) are dispatched here, beside the LightningCLI subcommands (which are
+    Trainer methods); their user errors are printed the same way.
     """
     argv = list(sys.argv[1:] if args is None else args)
     if "--offline" in argv:
@@ -146,7 +151,11 @@ def main(args: Sequence[str] | None = None) -> None:
     if args is None:
         sys.argv[1:] = argv  # Lightning's DDP launcher restarts the command from sys.argv
     try:
-        build_cli(None if args is None else argv)
+        if argv[:1] in (["cv"], ["sweep"]):
+            # imported on use: the protocol commands import this module
+            importlib.import_module(f"lightning_dml.protocol.{argv[0]}").main(argv[1:])
+        else:
+            build_cli(None if args is None else argv)
     except UserInputError as error:
         if debug:
             raise

@@ -16,6 +16,7 @@ from lightning_dml.data.image_list import collate_skipping
 from lightning_dml.data.resumable import ResumableDataLoader
 from lightning_dml.data.samplers import BalancedClassSampler, EvalShardSampler, NPairSampler
 from lightning_dml.models.input_spec import InputSpec, InputSpecMismatchError, backbone_input_spec
+from lightning_dml.protocol.folds import class_folds
 
 
 def split_eval_batch(batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
@@ -42,7 +43,10 @@ class DMLDataModule(pl.LightningDataModule):
     :class:`NPairSampler`); validation and test iterate the test split in order. The papers select the best
     epoch on the test split (SPEC 1.2, 9.3): with ``val_classes_fraction=0`` validation *is* the test split
     (:attr:`test_as_val` is ``True``); ``val_classes_fraction > 0`` holds out that fraction of the *training
-    classes* (chosen by ``seed``) as an honest validation split, removed from training.
+    classes* (chosen by ``seed``) as an honest validation split, removed from training. ``num_folds``/``fold``
+    instead validate on fold ``fold`` of :func:`~lightning_dml.protocol.class_folds` (the training classes in
+    ``num_folds`` folds of whole classes, chosen by ``fold_seed``) and train on the other folds: the class-disjoint
+    cross-validation of Musgrave et al. (ECCV 2020). The test split is never touched by either.
 
     DDP: the training batch sampler shards itself (each process draws its own complete P x K batches), so
     Lightning's automatic ``DistributedSampler`` replacement, which would deal every world-size-th index of a
@@ -65,6 +69,11 @@ class DMLDataModule(pl.LightningDataModule):
             size). ``None`` (the default): the backbone's (``model.backbone.input_spec``), read when a trainer sets
             the data module up (:meth:`adopt_input_spec`); without a model, the data module's own default. A given
             ``input_spec`` that differs from the backbone's is an error naming both, never silently replaced.
+        fold: the validation fold (0 .. num_folds - 1) of class-disjoint cross-validation; set with ``num_folds``.
+            Exclusive with ``val_classes_fraction``.
+        num_folds: number of class-disjoint folds of the training classes (>= 2), or ``None`` (no folds).
+        fold_seed: seed of the fold assignment (apart from ``seed``, so the sampler's seed can change while the
+            folds stay the same).
     """
 
     def __init__(
@@ -78,6 +87,9 @@ class DMLDataModule(pl.LightningDataModule):
         hard_class_mining: bool = False,
         val_classes_fraction: float = 0.0,
         input_spec: InputSpec | None = None,
+        fold: int | None = None,
+        num_folds: int | None = None,
+        fold_seed: int = 0,
     ) -> None:
         super().__init__()
         if classes_per_batch < 1 or samples_per_class < 1:
@@ -94,6 +106,18 @@ class DMLDataModule(pl.LightningDataModule):
             raise ValueError("hard_class_mining is the N-pair paper's class mining: it needs sampler='npair'")
         if not 0.0 <= val_classes_fraction < 1.0:
             raise ValueError(f"val_classes_fraction must be in [0, 1), got {val_classes_fraction}")
+        if (fold is None) != (num_folds is None):
+            raise ValueError(f"fold and num_folds are set together (got fold={fold}, num_folds={num_folds})")
+        if num_folds is not None:
+            if num_folds < 2 or not 0 <= fold < num_folds:
+                raise ValueError(
+                    f"need num_folds >= 2 and 0 <= fold < num_folds, got fold={fold}, num_folds={num_folds}"
+                )
+            if val_classes_fraction > 0:
+                raise ValueError(
+                    f"val_classes_fraction={val_classes_fraction} and fold/num_folds both choose the validation "
+                    "classes: set one of them (val_classes_fraction=0 with folds)"
+                )
         if input_spec is not None and not isinstance(input_spec, InputSpec):
             raise TypeError(f"input_spec must be an InputSpec or None, got {type(input_spec).__name__}")
         self.classes_per_batch = classes_per_batch
@@ -105,12 +129,23 @@ class DMLDataModule(pl.LightningDataModule):
         self.hard_class_mining = hard_class_mining
         self.val_classes_fraction = val_classes_fraction
         self.input_spec = input_spec
+        self.fold = fold
+        self.num_folds = num_folds
+        self.fold_seed = fold_seed
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
         self.train_sampler: BalancedClassSampler | None = None
         # logged with the run's hyper-parameters: whether the validation numbers are test-split numbers
-        self.save_hyperparameters({"test_as_val": self.test_as_val, "val_classes_fraction": val_classes_fraction})
+        self.save_hyperparameters(
+            {
+                "test_as_val": self.test_as_val,
+                "val_classes_fraction": val_classes_fraction,
+                "fold": fold,
+                "num_folds": num_folds,
+                "fold_seed": fold_seed,
+            }
+        )
 
     @property
     def batch_size(self) -> int:
@@ -119,7 +154,7 @@ class DMLDataModule(pl.LightningDataModule):
     @property
     def test_as_val(self) -> bool:
         """Whether validation runs on the test split (the papers' protocol) rather than held-out train classes."""
-        return self.val_classes_fraction == 0.0
+        return self.val_classes_fraction == 0.0 and self.num_folds is None
 
     @property
     def train_class_ids(self) -> torch.Tensor:
@@ -144,7 +179,9 @@ class DMLDataModule(pl.LightningDataModule):
         Datasets implement ``subset(indices, transform, evaluation)``; file datasets pass their eval transform.
         """
         if not hasattr(dataset, "subset"):
-            raise TypeError(f"{type(dataset).__name__} has no subset(): val_classes_fraction is not supported")
+            raise TypeError(
+                f"{type(dataset).__name__} has no subset(): val_classes_fraction and num_folds are not supported"
+            )
         return dataset.subset(indices, getattr(self, "eval_transform", None), True)
 
     def _hold_out_validation(self, train: Dataset) -> tuple[Dataset, Dataset]:
@@ -158,11 +195,28 @@ class DMLDataModule(pl.LightningDataModule):
                 f"classes_per_batch={self.classes_per_batch})"
             )
         rng = np.random.default_rng([self.seed, 7])
-        val_classes = rng.choice(classes, size=num_val, replace=False)
+        return self._split_off_classes(train, rng.choice(classes, size=num_val, replace=False))
+
+    def _fold_validation(self, train: Dataset) -> tuple[Dataset, Dataset]:
+        """Fold ``fold`` of the training classes validates, the other folds train."""
+        folds = class_folds(train.labels, self.num_folds, self.fold_seed)
+        num_train = sum(len(f) for f in folds) - len(folds[self.fold])
+        if num_train < self.classes_per_batch:
+            raise ValueError(
+                f"fold {self.fold} of num_folds={self.num_folds} leaves {num_train} training classes, fewer than "
+                f"classes_per_batch={self.classes_per_batch}"
+            )
+        return self._split_off_classes(train, folds[self.fold])
+
+    def _split_off_classes(self, train: Dataset, val_classes: np.ndarray) -> tuple[Dataset, Dataset]:
+        """The training items outside ``val_classes`` (training view) and inside them (evaluation view)."""
+        labels = torch.as_tensor(train.labels).numpy()
         is_val = np.isin(labels, val_classes)
         train_idx, val_idx = np.flatnonzero(~is_val), np.flatnonzero(is_val)
         if not hasattr(train, "subset"):
-            raise TypeError(f"{type(train).__name__} has no subset(): val_classes_fraction is not supported")
+            raise TypeError(
+                f"{type(train).__name__} has no subset(): val_classes_fraction and num_folds are not supported"
+            )
         return train.subset(train_idx, getattr(train, "transform", None), False), self.make_eval_view(train, val_idx)
 
     def adopt_input_spec(self, model: nn.Module) -> None:
@@ -194,7 +248,9 @@ class DMLDataModule(pl.LightningDataModule):
             self.adopt_input_spec(self.trainer.lightning_module)
         if self.train_dataset is None or self.test_dataset is None:
             train, test = self.build_datasets()
-            if self.val_classes_fraction > 0:
+            if self.num_folds is not None:
+                train, self.val_dataset = self._fold_validation(train)
+            elif self.val_classes_fraction > 0:
                 train, self.val_dataset = self._hold_out_validation(train)
             else:
                 self.val_dataset = test

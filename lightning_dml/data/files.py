@@ -105,7 +105,8 @@ class ImageFilesDataModule(DMLDataModule):
             model torchvision's ImageNet convention (RGB, [0, 1], ImageNet mean/std).
         resize_size: test-time shorter-side resize; default 256 for crops 224-256, else scaled with the crop.
         crop_scale: area range of the training random resized crop (torchvision's default (0.08, 1)).
-        eval_batch_size, seed, sampler, hard_class_mining, val_classes_fraction: see :class:`DMLDataModule`.
+        eval_batch_size, seed, sampler, hard_class_mining, val_classes_fraction, fold, num_folds, fold_seed: see
+            :class:`DMLDataModule`.
         on_corrupt: ``"error"``: an unreadable image raises an error naming the file; ``"skip"``: warn and skip.
         check_counts: compare the numbers of images (and classes) with the papers' and warn on a difference.
         check_files: check at setup that every listed image exists (an error names the missing ones).
@@ -140,10 +141,13 @@ class ImageFilesDataModule(DMLDataModule):
         check_counts: bool = True,
         check_files: bool = True,
         download: bool = False,
+        fold: int | None = None,
+        num_folds: int | None = None,
+        fold_seed: int = 0,
     ) -> None:
         super().__init__(
             classes_per_batch, samples_per_class, eval_batch_size, num_workers, seed, sampler, hard_class_mining,
-            val_classes_fraction, input_spec,
+            val_classes_fraction, input_spec, fold, num_folds, fold_seed,
         )
         if on_corrupt not in ("error", "skip"):
             raise ValueError(f"on_corrupt must be 'error' or 'skip', got {on_corrupt!r}")

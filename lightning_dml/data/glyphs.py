@@ -202,7 +202,9 @@ class GlyphsDataModule(DMLDataModule):
         channels: 1, or 3 to repeat the grey channel.
         mean: value subtracted from the [0, 1] pixels.
         std: divisor applied after subtracting ``mean``.
-        classes_per_batch, samples_per_class, eval_batch_size, num_workers: see :class:`DMLDataModule`.
+        classes_per_batch, samples_per_class, eval_batch_size, num_workers, sampler, hard_class_mining,
+            val_classes_fraction, fold, num_folds, fold_seed: see :class:`DMLDataModule` (validation classes,
+            held out or a fold, are taken from the training half; the test half is never touched).
         input_spec: the input convention; default the backbone's, read at set-up (see :class:`DMLDataModule`).
             When set it replaces ``channels``, ``mean`` and ``std``: the grey glyph is repeated to the spec's
             channels and converted to its value scale and per-channel mean/std. ``image_size`` stays the rendering
@@ -222,8 +224,17 @@ class GlyphsDataModule(DMLDataModule):
         eval_batch_size: int = 512,
         num_workers: int = 0,
         input_spec: InputSpec | None = None,
+        sampler: str = "balanced",
+        hard_class_mining: bool = False,
+        val_classes_fraction: float = 0.0,
+        fold: int | None = None,
+        num_folds: int | None = None,
+        fold_seed: int = 0,
     ) -> None:
-        super().__init__(classes_per_batch, samples_per_class, eval_batch_size, num_workers, seed, input_spec=input_spec)
+        super().__init__(
+            classes_per_batch, samples_per_class, eval_batch_size, num_workers, seed, sampler, hard_class_mining,
+            val_classes_fraction, input_spec, fold, num_folds, fold_seed,
+        )
         if not 0.0 < train_fraction < 1.0:
             raise ValueError(f"train_fraction must be in (0, 1), got {train_fraction}")
         if channels not in (1, 3):

@@ -1,0 +1,395 @@
+"""``lightning-dml sweep``: hyper-parameter search over any config key by class-disjoint cross-validation.
+
+The search of Musgrave, Belongie and Lim (ECCV 2020, section 4.2) with optuna: every trial samples the keys of
+the search space (TPE sampler), fits the config on each of the budget's ``folds`` folds of the training classes
+(``--data.init_args.num_folds``/``fold``, ``--trainer.max_steps`` the budget's ``steps``) and scores the trial by
+the **mean validation MAP@R over the folds** (``val/map@r`` of the model at the end of each fit). The test classes
+are never used.
+
+* **Space** (``--space``, YAML; keys in the CLI's dotted form)::
+
+      model.loss.init_args.beta: {low: 10, high: 80}                    # float, uniform
+      model.optimizer.init_args.lr: {low: 1.0e-4, high: 1.0e-2, log: true}
+      model.embedding_dim: {low: 32, high: 128, step: 32, type: int}
+      model.loss.init_args.lam: {choices: [0.5, 1.0]}
+
+* **Pruning**: :class:`TrialCallback` reports every validation to the trial (``trial.report``) and stops the fit
+  when ``trial.should_prune()`` says so (a PRUNED trial). The reported step runs on across the folds: the
+  validation after training step ``s`` of fold ``i`` (folds in order 0..k-1) is step ``i * steps + s``, so every
+  trial's fold ``i`` reports at the same steps and the pruner compares like with like.
+* **Divergence**: non-finite embeddings (checked on the model's output before the loss sees them), a non-finite
+  training loss or a non-finite ``val/map@r`` end the trial as FAIL (user attribute ``diverged``, the reason); the
+  sweep goes on and a diverged trial counts against the budget.
+* **Storage** (``--storage``): default ``sqlite:///<run_dir>/study.db``; any database URL optuna supports
+  (``postgresql://...`` for many nodes); a file path ending in ``.log`` or ``.journal``: optuna's journal file
+  storage (a shared file system, e.g. SLURM array jobs).
+* **Resume and many workers**: rerunning the same command continues the study until it holds ``trials`` finished
+  trials (COMPLETE, PRUNED or diverged); several workers can run it on one study at once (give each its own
+  ``--seed``; they may overshoot the budget by one trial each). A trial left RUNNING by a killed worker is marked
+  FAIL (the study's user attribute ``stale_trial_<n>`` names the worker) by the next worker that starts: at once
+  when that worker runs on the same host and the trial's process is gone, otherwise once the trial's heartbeat
+  (written every ``--heartbeat_interval`` seconds during training) is older than ``--grace_period`` seconds.
+* **Output** (``<run_dir>``): ``best.yaml``, the complete config of the best trial (the fit arguments, the best
+  parameters and ``trainer.max_steps``; accepted by ``lightning-dml fit`` and ``lightning-dml cv``), and
+  ``sweep.json`` (budget, study, storage, best value and parameters, every trial's state, value and parameters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+import yaml
+
+from lightning_dml.protocol.budget import Budget, ProtocolError, load_budget
+
+try:
+    import optuna
+    from optuna.trial import TrialState
+except ImportError:  # pragma: no cover - optuna is the `protocol` extra
+    optuna = None
+
+#: the metric the sweep maximises (mean over folds)
+OBJECTIVE = "val/map@r"
+
+
+class DivergedError(RuntimeError):
+    """The training loss became NaN or infinite."""
+
+
+# ------------------------------------------------------------------------------------------- space
+def load_space(path: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """The search space of a YAML file (see the module docstring), checked: ``{key: spec}``."""
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ProtocolError(f"space file {path}: {error.strerror or error}") from None
+    if not isinstance(data, dict) or not data:
+        raise ProtocolError(f"space file {path}: expected a mapping of config keys to ranges or choices")
+    for key, spec in data.items():
+        where = f"space file {path}, key {key}"
+        if not isinstance(spec, dict):
+            raise ProtocolError(f"{where}: expected {{low, high[, log, step, type]}} or {{choices: [...]}}")
+        if "choices" in spec:
+            if set(spec) != {"choices"} or not isinstance(spec["choices"], list) or not spec["choices"]:
+                raise ProtocolError(f"{where}: a categorical key has only 'choices', a non-empty list")
+            continue
+        unknown = sorted(set(spec) - {"low", "high", "log", "step", "type"})
+        if unknown or not {"low", "high"} <= set(spec):
+            raise ProtocolError(f"{where}: a range has low, high and optionally log, step, type (unknown: {unknown})")
+        if spec.get("type", "float") not in ("float", "int"):
+            raise ProtocolError(f"{where}: type is 'float' or 'int', got {spec['type']!r}")
+        low, high = spec["low"], spec["high"]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (low, high)) or not low < high:
+            raise ProtocolError(f"{where}: need numbers low < high, got low={low!r}, high={high!r}")
+        if spec.get("log") and low <= 0:
+            raise ProtocolError(f"{where}: a log-scale range needs low > 0, got {low}")
+        if spec.get("log") and spec.get("step") is not None:
+            raise ProtocolError(f"{where}: log and step exclude each other")
+    return data
+
+
+def suggest(trial: Any, space: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """One value per key of ``space`` from ``trial`` (``suggest_categorical``/``suggest_int``/``suggest_float``)."""
+    params = {}
+    for key, spec in space.items():
+        if "choices" in spec:
+            params[key] = trial.suggest_categorical(key, spec["choices"])
+        elif spec.get("type") == "int":
+            params[key] = trial.suggest_int(key, int(spec["low"]), int(spec["high"]), step=int(spec.get("step") or 1),
+                                            log=bool(spec.get("log", False)))
+        else:
+            params[key] = trial.suggest_float(key, float(spec["low"]), float(spec["high"]), step=spec.get("step"),
+                                              log=bool(spec.get("log", False)))
+    return params
+
+
+def override_args(params: dict[str, Any]) -> list[str]:
+    """``--key=value`` command-line overrides (strings as they are, everything else as JSON)."""
+    return [f"--{key}={value if isinstance(value, str) else json.dumps(value)}" for key, value in params.items()]
+
+
+# ------------------------------------------------------------------------------------------- callback
+class TrialCallback(pl.Callback):
+    """Reports each validation's ``val/map@r`` to an optuna trial and prunes; stops a diverged fit (non-finite
+    embeddings, through a forward hook on the module, or a non-finite loss); keeps the trial's heartbeat.
+
+    Args:
+        trial: the running ``optuna.Trial``.
+        step_offset: added to the trainer's ``global_step`` for the reported step (``fold * steps``).
+        heartbeat_interval: seconds between heartbeats (user attribute ``heartbeat``, a Unix time).
+
+    The checks read one flag per forward and per training step (a host synchronisation each, only in sweeps).
+    """
+
+    def __init__(self, trial: Any, step_offset: int = 0, heartbeat_interval: float = 60.0) -> None:
+        self.trial = trial
+        self.step_offset = int(step_offset)
+        self.heartbeat_interval = float(heartbeat_interval)
+        self.last_beat = time.time()
+        self.last_reported: int | None = None
+        self._hook: Any = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._hook is None:
+            self._hook = pl_module.register_forward_hook(self._check_embeddings)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def _check_embeddings(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and not bool(torch.isfinite(output.detach()).all()):
+            raise DivergedError(f"the model's embeddings are non-finite ({type(module).__name__} output)")
+
+    def beat(self, force: bool = False) -> None:
+        now = time.time()
+        if force or now - self.last_beat >= self.heartbeat_interval:
+            self.trial.set_user_attr("heartbeat", now)
+            self.last_beat = now
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss.detach()).all()):
+            raise DivergedError(f"training loss {float(loss)} at step {trainer.global_step}")
+        self.beat()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.beat()
+        value = trainer.callback_metrics.get(OBJECTIVE)
+        step = self.step_offset + trainer.global_step
+        if trainer.sanity_checking or value is None or step == self.last_reported:
+            return
+        self.last_reported = step
+        self.trial.report(float(value), step)
+        if self.trial.should_prune():
+            raise optuna.TrialPruned(f"pruned at step {step} ({OBJECTIVE} {float(value):.4f})")
+
+
+# ------------------------------------------------------------------------------------------- trials
+def fit_fold(fit_args: Sequence[str], callback: TrialCallback, budget: Budget, fold: int, root: Path) -> float:
+    """Fit one fold through :func:`~lightning_dml.cli.build_cli` with ``callback`` and return the final
+    ``val/map@r`` (validated once more when the fit did not end with a validation)."""
+    from lightning_dml.cli import build_cli
+
+    cli = build_cli(
+        [*fit_args, f"--data.init_args.num_folds={budget.folds}", f"--data.init_args.fold={fold}",
+         f"--trainer.max_steps={budget.steps}", f"--trainer.default_root_dir={root}"],
+        run=False,
+    )
+    cli.trainer.callbacks.append(callback)
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    if callback.last_reported != callback.step_offset + cli.trainer.global_step:
+        cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
+    value = float(cli.trainer.callback_metrics[OBJECTIVE])
+    if not math.isfinite(value):
+        raise DivergedError(f"{OBJECTIVE} is {value}")
+    return value
+
+
+def make_objective(
+    fit_args: Sequence[str], space: dict[str, dict[str, Any]], budget: Budget, run_dir: Path, heartbeat_interval: float
+) -> Callable[[Any], float]:
+    """The optuna objective: sample the space, fit every fold, return the mean final ``val/map@r``."""
+    def objective(trial: Any) -> float:
+        trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
+        params = suggest(trial, space)
+        values = []
+        try:
+            for fold in range(budget.folds):
+                callback = TrialCallback(trial, fold * budget.steps, heartbeat_interval)
+                callback.beat(force=True)
+                root = run_dir / f"trial_{trial.number}" / f"fold_{fold}"
+                values.append(fit_fold([*fit_args, *override_args(params)], callback, budget, fold, root))
+                trial.set_user_attr("fold_map@r", values)
+        except DivergedError as error:
+            trial.set_user_attr("diverged", str(error))
+            raise
+        return sum(values) / len(values)
+
+    return objective
+
+
+def fail_stale_trials(study: Any, grace_period: float) -> list[int]:
+    """Mark FAIL the RUNNING trials of dead workers (the study's user attribute ``stale_trial_<n>`` names the
+    worker): on this host, a trial whose process is gone; anywhere, a trial whose heartbeat is older than
+    ``grace_period`` seconds. Returns their numbers."""
+    host, now, failed = socket.gethostname(), time.time(), []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        worker = str(trial.user_attrs.get("worker", ""))
+        beat = trial.user_attrs.get("heartbeat", trial.datetime_start.timestamp() if trial.datetime_start else now)
+        worker_host, _, pid = worker.rpartition(":")
+        dead = worker_host == host and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid))
+        if dead or now - float(beat) > grace_period:
+            study.set_user_attr(f"stale_trial_{trial.number}", worker)
+            study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)  # another worker may be first
+            failed.append(trial.number)
+    return failed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def finished_trials(study: Any) -> int:
+    """Trials that count against the budget: COMPLETE, PRUNED, and FAIL by divergence."""
+    return sum(
+        t.state in (TrialState.COMPLETE, TrialState.PRUNED)
+        or (t.state == TrialState.FAIL and "diverged" in t.user_attrs)
+        for t in study.get_trials(deepcopy=False)
+    )
+
+
+def open_storage(storage: str | None, run_dir: Path) -> Any:
+    """An optuna storage: ``None`` -> SQLite ``<run_dir>/study.db``; a URL -> as optuna reads it; a path ending in
+    ``.log``/``.journal`` -> journal file storage."""
+    if storage is None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{(run_dir / 'study.db').resolve()}"
+    if "://" in storage:
+        return storage
+    if storage.endswith((".log", ".journal")):
+        from optuna.storages import JournalStorage
+        from optuna.storages.journal import JournalFileBackend
+
+        Path(storage).parent.mkdir(parents=True, exist_ok=True)
+        return JournalStorage(JournalFileBackend(storage))
+    raise ProtocolError(f"--storage {storage!r}: give a database URL (sqlite:///..., postgresql://...) or a journal "
+                        "file ending in .log or .journal")
+
+
+def _create_study(name: str, storage: Any, attempts: int = 5) -> Any:
+    """Create or load the study. Workers that start together on a new SQLite file race to create its tables (one
+    of them fails with "table ... already exists"): such a worker tries again."""
+    for attempt in range(attempts - 1):
+        try:
+            return optuna.create_study(study_name=name, storage=storage, direction="maximize", load_if_exists=True)
+        except Exception as error:  # sqlalchemy's OperationalError (sqlalchemy is optuna's dependency, not ours)
+            if "already exists" not in str(error):
+                raise
+            time.sleep(0.5 * (attempt + 1))
+    return optuna.create_study(study_name=name, storage=storage, direction="maximize", load_if_exists=True)
+
+
+def write_best_config(fit_args: Sequence[str], params: dict[str, Any], budget: Budget, path: Path) -> None:
+    """The complete config (every key, as ``fit --print_config`` shows it) of ``fit_args`` with ``params`` and the
+    budget's ``trainer.max_steps``, without folds: the config to train or cross-validate the winner."""
+    from lightning_dml.cli import build_cli
+
+    cli = build_cli([*fit_args, *override_args(params), f"--trainer.max_steps={budget.steps}"], run=False)
+    path.write_text(cli.parser.dump(cli.config, skip_none=False))
+
+
+# ------------------------------------------------------------------------------------------- command
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-dml sweep",
+        allow_abbrev=False,
+        description=(
+            "Hyper-parameter search (optuna, TPE) over the keys of --space by class-disjoint cross-validation: a "
+            "trial's value is the mean validation MAP@R over the budget's folds. The study lives in --storage and "
+            "resumes when the command is run again; several workers can share it. Writes <run_dir>/best.yaml and "
+            "<run_dir>/sweep.json. Every other argument (--config ..., overrides) goes to `lightning-dml fit`."
+        ),
+    )
+    parser.add_argument("--space", type=Path, required=True, help="search space YAML (dotted config keys)")
+    parser.add_argument("--budget", type=Path, required=True, help="budget YAML: trials, steps, folds (shared with cv)")
+    parser.add_argument("--run_dir", type=Path, default=Path("logs/sweep"), help="folder of the fits and results")
+    parser.add_argument("--storage", help="database URL or journal file (.log/.journal); default <run_dir>/study.db")
+    parser.add_argument("--study_name", default="sweep", help="study name in the storage (default 'sweep')")
+    parser.add_argument("--seed", type=int, default=0, help="TPE sampler seed (give each concurrent worker its own)")
+    parser.add_argument("--heartbeat_interval", type=float, default=60.0, help="seconds between trial heartbeats")
+    parser.add_argument("--grace_period", type=float, default=600.0,
+                        help="seconds without heartbeat after which a RUNNING trial is marked FAIL (default 600)")
+    return parser
+
+
+def summary(study: Any, budget: Budget, storage: Any) -> dict[str, Any]:
+    """The results of the study: budget, best trial, every trial (number, state, value, parameters, attributes)."""
+    trials = study.get_trials(deepcopy=False)
+    complete = [t for t in trials if t.state == TrialState.COMPLETE]
+    best = max(complete, key=lambda t: t.value) if complete else None
+    return {
+        "study_name": study.study_name,
+        "storage": storage if isinstance(storage, str) else type(storage).__name__,
+        "objective": f"mean {OBJECTIVE} over {budget.folds} folds (maximised)",
+        "budget": budget.as_dict(),
+        "finished_trials": finished_trials(study),
+        "best": None if best is None else {"number": best.number, "value": best.value, "params": best.params},
+        "trials": [
+            {"number": t.number, "state": t.state.name, "value": t.value, "params": t.params,
+             "user_attrs": {k: v for k, v in t.user_attrs.items() if k != "heartbeat"}}
+            for t in trials
+        ],
+    }
+
+
+def main(argv: Sequence[str]) -> dict[str, Any]:
+    """``lightning-dml sweep ...``; returns the summary written to ``<run_dir>/sweep.json``."""
+    if optuna is None:
+        raise ProtocolError("lightning-dml sweep needs optuna: pip install 'lightning-dml[protocol]'")
+    options, fit_args = build_parser().parse_known_args(list(argv))
+    if not fit_args:
+        raise ProtocolError(
+            "sweep needs the fit's config: lightning-dml sweep --space S.yaml --budget B.yaml --config C.yaml"
+        )
+    space, budget = load_space(options.space), load_budget(options.budget)
+    run_dir = options.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    storage = open_storage(options.storage, run_dir)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = _create_study(options.study_name, storage)
+    recorded = study.user_attrs.get("budget")
+    if recorded is None:
+        study.set_user_attr("budget", budget.as_dict())
+        study.set_user_attr("space", space)
+    elif recorded != budget.as_dict() or study.user_attrs.get("space") != space:
+        raise ProtocolError(f"study {options.study_name!r} was started with budget {recorded} and space "
+                            f"{study.user_attrs.get('space')}: a study keeps one budget and space (new --study_name?)")
+    fail_stale_trials(study, options.grace_period)
+    # seeded by the seed and the study's size: a resumed single worker samples as an uninterrupted one would
+    sampler = optuna.samplers.TPESampler(seed=options.seed + len(study.trials))
+    study = optuna.load_study(study_name=options.study_name, storage=storage, sampler=sampler)
+
+    def stop_at_budget(study: Any, trial: Any) -> None:
+        if finished_trials(study) >= budget.trials:
+            study.stop()
+
+    if finished_trials(study) < budget.trials:
+        study.optimize(
+            make_objective(fit_args, space, budget, run_dir, options.heartbeat_interval),
+            catch=(DivergedError,), callbacks=[stop_at_budget], gc_after_trial=True,
+        )
+    result = summary(study, budget, storage)
+    if result["best"] is not None:
+        write_best_config(fit_args, result["best"]["params"], budget, run_dir / "best.yaml")
+    tmp = run_dir / f"sweep.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(result, indent=2, default=str))
+    tmp.replace(run_dir / "sweep.json")
+    best = result["best"]
+    print(f"sweep {study.study_name}: {result['finished_trials']} finished trials (budget {budget.as_dict()}); "
+          + ("no complete trial" if best is None else
+             f"best trial {best['number']}: {OBJECTIVE} {best['value']:.4f} {best['params']} -> "
+             f"{run_dir / 'best.yaml'}"))
+    return result
+
+
+__all__ = ["DivergedError", "TrialCallback", "fail_stale_trials", "finished_trials", "load_space", "main",
+           "override_args", "suggest", "write_best_config"]
