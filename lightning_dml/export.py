@@ -176,6 +176,9 @@ def export_checkpoint(
     if not isinstance(cfg, dict) or "model" not in cfg or "data" not in cfg:
         raise ValueError(f"{config} is not a lightning-dml config (it needs `model` and `data` sections)")
     cfg.pop("ckpt_path", None)  # a `fit` option, not a model setting
+    backbone_args = (cfg["model"].get("backbone") or {}).get("init_args") if isinstance(cfg["model"], dict) else None
+    if isinstance(backbone_args, dict) and "pretrained" in backbone_args:
+        backbone_args["pretrained"] = False  # the checkpoint holds the weights: no download, no cache needed
     cfg["trainer"] = {"logger": False, "enable_checkpointing": False, "accelerator": "cpu", "devices": 1}
     cli = build_cli(["--config", yaml.safe_dump(cfg)], run=False)
     checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)

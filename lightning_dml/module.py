@@ -85,9 +85,10 @@ class DMLModule(pl.LightningModule):
             BEiT, Bao et al. 2022, Sec. 2.6 / DeiT III fine-tuning): the backbone's parameters are grouped by depth
             with timm's ``param_groups_layer_decay`` (ViT: patch and position embeddings and tokens = layer 0,
             block ``i`` = layer ``i + 1``, the final norm with the last block) and layer ``l`` of ``L`` trains at
-            ``lr * layer_decay ** (L - 1 - l)``: timm's ``lr_scale`` becomes each group's ``lr``. The same grouping gives norms, biases,
-            position embeddings and class/register tokens no weight decay (the other backbone parameters keep the
-            optimizer's). ``1.0``: that weight-decay split without lr decay. ``None``: one backbone group.
+            ``lr * layer_decay ** (L - 1 - l)``: timm's ``lr_scale`` becomes each group's ``lr``. The same
+            grouping gives norms, biases, position embeddings and class/register tokens no weight decay (the other
+            backbone parameters keep the optimizer's). ``1.0``: that weight-decay split without lr decay.
+            ``None``: one backbone group.
 
     Losses with parameters (:class:`~lightning_dml.losses.ProxyLoss`: Proxy-Anchor, ArcFace, ...): a config may
     leave out their ``num_classes`` and ``embedding_dim``; ``setup("fit")`` fills them in from the data module's

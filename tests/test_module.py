@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import copy
+import os
+import re
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -51,12 +56,17 @@ def _trainer(**kwargs) -> pl.Trainer:
     return pl.Trainer(**defaults)
 
 
+def _accelerator(device: torch.device) -> str:
+    """The Trainer's accelerator for the ``device`` fixture's device."""
+    return "gpu" if device.type == "cuda" else "cpu"
+
+
 def _bn_layers(module: nn.Module) -> list[nn.BatchNorm2d]:
     return [m for m in module.modules() if isinstance(m, nn.BatchNorm2d)]
 
 
 def _snapshot(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
 
 # ----------------------------------------------------------------------------------------- frozen BN
@@ -71,7 +81,7 @@ class _ModeProbe(pl.Callback):
 
 
 @pytest.mark.parametrize("freeze_bn", [True, False])
-def test_frozen_bn_keeps_running_stats_and_affine_params(freeze_bn):
+def test_frozen_bn_keeps_running_stats_and_affine_params(freeze_bn, device):
     model = _module(freeze_bn=freeze_bn, optimizer=partial(torch.optim.AdamW, lr=0.05, weight_decay=0.1))
     # non-trivial BN state, so weight decay or a momentum update would show
     for bn in _bn_layers(model.backbone):
@@ -79,8 +89,8 @@ def test_frozen_bn_keeps_running_stats_and_affine_params(freeze_bn):
         nn.init.uniform_(bn.bias, -0.5, 0.5)
     before = _snapshot(model.backbone)
     probe = _ModeProbe()
-    _trainer(max_steps=4, callbacks=[probe]).fit(model, train_dataloaders=_loader())
-    after = model.backbone.state_dict()
+    _trainer(max_steps=4, callbacks=[probe], accelerator=_accelerator(device)).fit(model, train_dataloaders=_loader())
+    after = _snapshot(model.backbone)
     bn_keys = [k for k in before if any(k.endswith(s) for s in ("running_mean", "running_var", ".weight", ".bias"))
                and k.rsplit(".", 1)[0] in {n for n, m in model.backbone.named_modules() if isinstance(m, nn.BatchNorm2d)}]
     assert len(bn_keys) == 4 * len(_bn_layers(model.backbone))
@@ -131,11 +141,11 @@ def _changed(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str
     return [k for k in a if not torch.equal(a[k], b[k])]
 
 
-def test_backbone_frozen_for_first_epochs_then_trains():
+def test_backbone_frozen_for_first_epochs_then_trains(device):
     model = _module(freeze_backbone_epochs=2, optimizer=partial(torch.optim.Adam, lr=0.01, weight_decay=0.01))
     initial_backbone, initial_head = _snapshot(model.backbone), _snapshot(model.head)
     snaps = _EpochSnapshots()
-    _trainer(max_epochs=3, callbacks=[snaps]).fit(model, train_dataloaders=_loader())
+    _trainer(max_epochs=3, callbacks=[snaps], accelerator=_accelerator(device)).fit(model, train_dataloaders=_loader())
     assert len(snaps.backbone) == 3
     # epochs 0 and 1: weights, BN statistics and BN affine parameters unchanged; the head trains
     assert _changed(initial_backbone, snaps.backbone[0]) == []
@@ -214,9 +224,10 @@ def test_backbone_by_name():
 
 
 # ----------------------------------------------------------------------------------------- fusion
-def test_concat_fusion_forward_and_loss():
-    model = _module(fusion="concat", embedding_dim=5)
+def test_concat_fusion_forward_and_loss(device):
+    model = _module(fusion="concat", embedding_dim=5).to(device)
     images, labels, _ = next(iter(_loader()))
+    images, labels = images.to(device), labels.to(device)
     levels = model.embed_levels(images)
     assert [e.shape[1] for e in levels] == [5, 5, 5]
     fused = model(images)
@@ -228,12 +239,13 @@ def test_concat_fusion_forward_and_loss():
     torch.testing.assert_close(model.training_step((images, labels), 0), model.loss(fused, labels))
 
 
-def test_per_level_fusion_sums_one_loss_per_level():
-    model = _module(fusion="per_level", embedding_dim=5, normalize_levels=True, loss=RankedListLoss())
+def test_per_level_fusion_sums_one_loss_per_level(device):
+    model = _module(fusion="per_level", embedding_dim=5, normalize_levels=True, loss=RankedListLoss()).to(device)
     images, labels, _ = next(iter(_loader()))
+    images, labels = images.to(device), labels.to(device)
     levels = model.embed_levels(images)
     for e in levels:
-        torch.testing.assert_close(e.norm(dim=1), torch.ones(e.shape[0]))
+        torch.testing.assert_close(e.norm(dim=1), torch.ones(e.shape[0], device=device))
     expected = sum(RankedListLoss()(e, labels) for e in levels)
     torch.testing.assert_close(model.training_step((images, labels), 0), expected)
     # gradients reach every level's head
@@ -248,21 +260,51 @@ def test_embed_levels_requires_fusion():
         _module().embed_levels(torch.randn(2, 3, 16, 16))
 
 
-def test_state_dict_round_trip_keeps_options():
+def test_state_dict_round_trip_keeps_options(device):
     model = _module(fusion="concat", freeze_bn=True)
-    clone = _module(fusion="concat", freeze_bn=True)
-    clone.load_state_dict(copy.deepcopy(model.state_dict()))
-    x = torch.randn(2, 3, 16, 16)
+    clone = _module(fusion="concat", freeze_bn=True).to(device)
+    clone.load_state_dict(copy.deepcopy(model.state_dict()))  # CPU tensors into a module on `device`
+    model.to(device)
+    x = torch.randn(2, 3, 16, 16, device=device)
     model.eval(), clone.eval()
     torch.testing.assert_close(model(x), clone(x))
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
-def test_mixed_precision_and_gradient_clipping_train(precision):
+def test_mixed_precision_and_gradient_clipping_train(precision, device):
     model = _module(fusion="concat", freeze_bn=True, optimizer=partial(torch.optim.AdamW, lr=0.01))
     before = _snapshot(model.head)
-    trainer = _trainer(max_steps=2, precision=precision, gradient_clip_val=0.5)
+    trainer = _trainer(max_steps=2, precision=precision, gradient_clip_val=0.5, accelerator=_accelerator(device))
     trainer.fit(model, train_dataloaders=_loader())
     assert trainer.global_step == 2
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
     assert _changed(before, _snapshot(model.head))
+
+
+# ----------------------------------------------------------------------------------------- what a user sees
+def test_fit_without_logger_shows_recall_and_map_at_r_on_the_progress_bar(capsys):
+    model = _module(clustering=True)
+    train = _loader()
+    val = DataLoader(train.dataset, batch_size=12)  # (image, label, index) items in order
+    trainer = _trainer(max_epochs=1, limit_val_batches=None, enable_progress_bar=True, logger=False)
+    trainer.fit(model, train_dataloaders=train, val_dataloaders=val)
+    assert {"val/recall@1", "val/map@r"} <= set(trainer.progress_bar_metrics)
+    # only those two: NMI, F1, Recall@2.. are logged but stay off the bar
+    assert not {"val/nmi", "val/f1", "val/recall@2"} & set(trainer.progress_bar_metrics)
+    assert {"val/nmi", "val/f1", "val/recall@2"} <= set(trainer.callback_metrics)
+    shown = capsys.readouterr().out  # Lightning's TQDM bar writes to stdout
+    for name in ("val/recall@1", "val/map@r"):
+        printed = re.findall(rf"{re.escape(name)}=([0-9.e+-]+)", shown)
+        assert printed, shown[-2000:]
+        assert float(printed[-1]) == pytest.approx(float(trainer.progress_bar_metrics[name]), rel=1e-2)  # 3 digits
+
+
+@pytest.mark.slow
+def test_ddp_logging_is_global_without_sync_dist_warning(tmp_path):
+    """2 gloo processes: no 'sync_dist=True' recommendation, the same logged values on both ranks."""
+    script = Path(__file__).parent / "distributed" / "run_module_logging_ddp.py"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("LOCAL_RANK", None)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    assert "MODULE-LOGGING-DDP-OK" in proc.stdout

@@ -23,7 +23,6 @@ from lightning_dml.models.input_spec import (
     InputSpecMismatchError,
     backbone_input_spec,
 )
-from lightning_dml.models.timm_backbone import TimmBackbone
 from lightning_dml.models.weights import WEIGHTS
 
 __all__ = [
@@ -46,3 +45,12 @@ __all__ = [
     "backbone_input_spec",
     "build_backbone",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``TimmBackbone`` is imported on first use: importing timm takes seconds, and most runs do not need it."""
+    if name == "TimmBackbone":
+        from lightning_dml.models.timm_backbone import TimmBackbone
+
+        return TimmBackbone
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

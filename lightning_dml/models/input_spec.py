@@ -12,6 +12,7 @@ from lightning_dml.errors import UserInputError
 class InputSpecMismatchError(UserInputError, ValueError):
     """A data module's ``input_spec`` set by hand differs from the one its model's backbone declares."""
 
+
 #: resampling filters the transforms accept (torchvision ``InterpolationMode`` values, timm's names)
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
 

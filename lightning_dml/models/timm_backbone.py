@@ -103,7 +103,8 @@ class TimmBackbone(Backbone):
             over the patch tokens (prefix and register tokens excluded) or the feature map. ``"gem"``:
             generalized mean, ``(mean(clamp(x, eps) ** p)) ** (1 / p)`` with a learnable ``p`` initialised to 3
             (Radenovic et al., TPAMI 2018, Eq. 2). A pooling other than the model's own is applied to the output of
-            ``forward_features`` (without a head norm such as ConvNeXt's).
+            ``forward_features``; the model's head modules (ConvNeXt's head LayerNorm, a ViT's ``fc_norm``) are
+            then removed, so every parameter gets a gradient.
         drop_path_rate: stochastic depth rate (passed to timm when > 0).
         grad_checkpointing: recompute activations in the backward pass (timm's ``set_grad_checkpointing``):
             less memory for large models, about a third more compute.
@@ -161,6 +162,12 @@ class TimmBackbone(Backbone):
         #: ``None``: a head pooling of timm's own that is not one of ours (e.g. attention pooling, "map")
         self.pooling = pooling
         self._native = pooling is None or pooling == native
+        if not self._native:
+            # the head's own pooling and norms (ConvNeXt's head LayerNorm, a ViT's fc_norm) are bypassed: drop
+            # them, so no parameter is left without gradient (DDP without find_unused_parameters)
+            for attr in ("head", "fc_norm"):
+                if isinstance(getattr(model, attr, None), nn.Module):
+                    setattr(model, attr, nn.Identity())
         #: the pooling of the lower levels (the model's own head pooling applies to the last level only)
         self.level_pooling = pooling if pooling is not None else ("token" if self.has_class_token else "avg")
         if pooling == "gem":
@@ -193,8 +200,8 @@ class TimmBackbone(Backbone):
             return tokens.amax(dim=1)
         if mode == "avgmax":
             return tokens.mean(dim=1) + tokens.amax(dim=1)
-        p = self.gem_p.clamp(min=1.0)
-        return tokens.clamp(min=1e-6).pow(p).mean(dim=1).pow(1.0 / p)
+        p = self.gem_p.float().clamp(min=1.0)  # in fp32 under autocast: x ** p overflows bf16/fp16 ranges
+        return tokens.float().clamp(min=1e-6).pow(p).mean(dim=1).pow(1.0 / p)
 
     def _split(self, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``forward_features`` output -> (tokens ``[B, L, C]``, prefix tokens ``[B, P, C]`` or None)."""
@@ -213,7 +220,10 @@ class TimmBackbone(Backbone):
     def forward_levels(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Pooled features of the three levels, low to high; the last is ``forward(x)``."""
         if self._level_indices is None:
-            raise ValueError(f"{self.model_name} has no multi-level features (no forward_intermediates)")
+            raise ValueError(
+                f"{self.model_name} has no multi-level features (they need timm's forward_intermediates and at "
+                "least three blocks or stages)"
+            )
         kwargs: dict[str, Any] = {"indices": list(self._level_indices[:-1]), "norm": True}
         if self.num_prefix_tokens:
             kwargs.update(output_fmt="NLC", return_prefix_tokens=True)
