@@ -1,8 +1,9 @@
-"""Forward + backward time and peak memory of our pair losses against pytorch-metric-learning (pml).
+"""Forward + backward time and peak memory of our losses against pytorch-metric-learning (pml).
 
 Usage::
 
-    OMP_NUM_THREADS=1 python bench/losses.py                      # all cases, batch 80/512/2048, dim 512
+    OMP_NUM_THREADS=1 python bench/losses.py                      # seed-loss cases, batch 80/512/2048, dim 512
+    OMP_NUM_THREADS=1 python bench/losses.py --cases issue13 --batch 512 2048   # the losses of issue 13
     python bench/losses.py --batch 512 --cases multi_similarity contrastive --repeats 9
     python bench/losses.py --device cuda                           # when a GPU is present (default: auto)
 
@@ -16,7 +17,13 @@ The peak is ``VmHWM`` from ``/proc/self/status`` (see ``_rss_mb`` for why not ``
 ``ru_maxrss`` is the fallback). On CUDA the peak is
 ``torch.cuda.max_memory_allocated`` instead.
 
-Labels form a P x K batch (K = 4; K = 2 for N-pair, whose batch is N pairs).
+Labels form a P x K batch (K = 4; K = 2 for N-pair, whose batch is N pairs). The proxy and classification losses
+(``PROXY_CASES``) hold ``--num-classes`` proxies (default 11,318, SOP's training classes): ours is completed to
+that size and its proxies are copied into pml's loss (pml's layout, transposed where pml stores ``[dim, classes]``),
+the P x K classes are drawn among all of them, and the backward also produces the proxies' gradients (reset to
+``None`` before every run on both sides). pml's ArcFace / sub-centre ArcFace / angular margins are in degrees,
+ours in radians: the pml side gets ``math.degrees`` of ours. Where the two definitions differ by a documented
+term, the case uses the option that makes them coincide (named in ``make_pair``).
 """
 
 from __future__ import annotations
@@ -46,20 +53,64 @@ CASES = [
     "generalized_lifted",
     "tuplet_margin",
 ]
+#: the losses of issue 13: proxy / classification losses (target <= 1.0x pml: one class-matrix product dominates
+#: both) and pair / set losses (target <= 0.5x pml)
+PROXY_CASES = [
+    "proxy_anchor", "proxy_nca", "normalized_softmax", "cosface", "arcface", "subcenter_arcface", "soft_triple",
+]
+PAIRSET_CASES = ["circle", "supcon", "ntxent", "nca", "angular", "fastap", "smooth_ap", "margin", "npair_multi_positive"]
+GROUPS = {"seed": CASES, "issue13": PROXY_CASES + PAIRSET_CASES}
+ALL_CASES = CASES + PROXY_CASES + PAIRSET_CASES
 TARGETED = {"multi_similarity", "contrastive", "triplet", "npair"}
+#: target ratio ours / pml of the issue-13 losses
+TARGET_RATIO = {**{c: 1.0 for c in PROXY_CASES}, **{c: 0.5 for c in PAIRSET_CASES}}
 #: pml builds a (positive pairs) x (negative pairs) matrix for these (0.4e9 floats at B = 512, 26e9 at B = 2048):
 #: more than 8 minutes for one B = 512 case on the shared CPU, so pml is run at B = 80 only
-PML_MAX_BATCH = {"lifted_structure": 80, "tuplet_margin": 80}
+#: pml's NT-Xent loops over the positive pairs in Python (~30 s per B = 512 run on the shared CPU): B <= 512
+PML_MAX_BATCH = {"lifted_structure": 80, "tuplet_margin": 80, "ntxent": 512}
+#: peak-memory comparisons allow this much (MiB) for RSS page-granularity noise
+MEMORY_SLACK_MB = 2.0
+#: cases not run at all above this batch (either library): Smooth-AP's B x B x B sigmoid tensor (34 GB at 2048)
+MAX_BATCH = {"smooth_ap": 512}
+#: pml's layout of the proxies: (attribute, transposed) -- ours are [num_classes * proxies_per_class, dim]
+PML_PROXIES = {
+    "proxy_anchor": ("proxies", False), "proxy_nca": ("proxies", False), "normalized_softmax": ("W", True),
+    "cosface": ("W", True), "arcface": ("W", True), "subcenter_arcface": ("W", True), "soft_triple": ("fc", True),
+}
 
 
-def make_pair(case: str) -> Tuple[Callable, Callable]:
-    """(ours, pml) callables ``f(embeddings, labels) -> loss`` with the same definition."""
+def make_pair(case: str, num_classes: int = 11318, dim: int = 512) -> Tuple[Callable, Callable]:
+    """(ours, pml) callables ``f(embeddings, labels) -> loss`` with the same definition (the proxy cases: with the
+    same proxies, ``num_classes`` x ``dim``)."""
     from pytorch_metric_learning import distances as pd
     from pytorch_metric_learning import losses as pl
     from pytorch_metric_learning import miners as pm
 
     from lightning_dml import losses as ours
 
+    if case in PROXY_CASES:
+        return _proxy_pair(case, num_classes, dim)
+    if case == "circle":
+        return ours.CircleLoss(), pl.CircleLoss(m=0.25, gamma=256)
+    if case == "supcon":
+        return ours.SupConLoss(), pl.SupConLoss(temperature=0.1)
+    if case == "ntxent":
+        return ours.NTXentLoss(), pl.NTXentLoss(temperature=0.1)
+    if case == "nca":
+        return ours.NCALoss(), pl.NCALoss()
+    if case == "angular":  # 45 degrees; pml takes degrees (its x_n unnormalised: the data are unit rows here)
+        return ours.AngularLoss(math.radians(45)), pl.AngularLoss(alpha=45)
+    if case == "fastap":
+        return ours.FastAPLoss(), pl.FastAPLoss(num_bins=10)
+    if case == "smooth_ap":  # pml keeps the query in its own gallery (documented difference; same work)
+        return ours.SmoothAPLoss(), pl.SmoothAPLoss(temperature=0.01)
+    if case == "margin":  # all triplets, learnable per-class beta (pml: triplets_per_anchor="all")
+        return (ours.MarginLoss(num_classes=num_classes, sampling="all"),
+                pl.MarginLoss(margin=0.2, nu=0.0, beta=1.2, learn_beta=True, num_classes=num_classes,
+                              triplets_per_anchor="all"))
+    if case == "npair_multi_positive":  # N-pair Eq. 9 = pml's NCA on raw inner products
+        return (ours.NPairLoss(l2_reg=0.0, variant="multi_positive"),
+                pl.NCALoss(distance=pd.DotProductSimilarity(normalize_embeddings=False)))
     if case == "multi_similarity":
         loss, miner = pl.MultiSimilarityLoss(alpha=2.0, beta=50.0, base=0.5), pm.MultiSimilarityMiner(epsilon=0.1)
         return ours.MultiSimilarityLoss(), lambda e, y: loss(e, y, miner(e, y))
@@ -80,14 +131,68 @@ def make_pair(case: str) -> Tuple[Callable, Callable]:
     if case == "tuplet_margin":
         tml, ipv = pl.TupletMarginLoss(margin=math.degrees(0.1), scale=64.0), pl.IntraPairVarianceLoss()
         return ours.TupletMarginLoss(negatives="all"), lambda e, y: tml(e, y) + 0.5 * ipv(e, y)
-    raise ValueError(f"unknown case {case!r}; valid: {CASES}")
+    raise ValueError(f"unknown case {case!r}; valid: {ALL_CASES}")
 
 
-def make_data(case: str, batch: int, dim: int, device: str, seed: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+def _proxy_pair(case: str, num_classes: int, dim: int) -> Tuple[torch.nn.Module, torch.nn.Module]:
+    """Our proxy loss completed to ``num_classes`` x ``dim`` and pml's with the same proxies."""
+    from pytorch_metric_learning import losses as pl
+
+    from lightning_dml import losses as ours
+
+    c, d = num_classes, dim
+    if case == "proxy_anchor":
+        mine = ours.ProxyAnchorLoss()
+        theirs = pl.ProxyAnchorLoss(c, d, margin=mine.delta, alpha=mine.alpha)
+    elif case == "proxy_nca":  # ProxyNCA++ form (positive kept in the denominator, as pml), temperature 1/9
+        mine = ours.ProxyNCALoss(temperature=1 / 9, exclude_positive=False)
+        theirs = pl.ProxyNCALoss(c, d, softmax_scale=9.0)
+    elif case == "normalized_softmax":
+        mine = ours.NormalizedSoftmaxLoss()
+        theirs = pl.NormalizedSoftmaxLoss(c, d, temperature=mine.temperature)
+    elif case == "cosface":
+        mine = ours.CosFaceLoss()
+        theirs = pl.CosFaceLoss(c, d, margin=mine.margin, scale=mine.scale)
+    elif case == "arcface":
+        mine = ours.ArcFaceLoss()
+        theirs = pl.ArcFaceLoss(c, d, margin=math.degrees(mine.margin), scale=mine.scale)
+    elif case == "subcenter_arcface":
+        mine = ours.SubCenterArcFaceLoss()
+        theirs = pl.SubCenterArcFaceLoss(num_classes=c, embedding_size=d, margin=math.degrees(mine.margin),
+                                         scale=mine.scale, sub_centers=mine.proxies_per_class)
+    elif case == "soft_triple":  # tau = 0: pml has no centre regulariser (ours with tau > 0 adds it)
+        mine = ours.SoftTripleLoss(tau=0.0)
+        theirs = pl.SoftTripleLoss(c, d, centers_per_class=mine.proxies_per_class, la=mine.la, gamma=mine.gamma,
+                                   margin=mine.margin)
+    else:
+        raise ValueError(f"unknown proxy case {case!r}; valid: {PROXY_CASES}")
+    mine.complete(c, d)
+    attr, transposed = PML_PROXIES[case]
+    with torch.no_grad():
+        value = mine.proxies.detach().clone()
+        getattr(theirs, attr).data = (value.T if transposed else value).contiguous()
+    return mine, theirs
+
+
+def make_data(case: str, batch: int, dim: int, device: str, seed: int = 0,
+              num_classes: int = 11318) -> Tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     k = 2 if case == "npair" else 4
     labels = (torch.arange(batch) // k)[torch.randperm(batch, generator=g)]
-    return torch.randn(batch, dim, generator=g).to(device), labels.to(device)
+    if case in PROXY_CASES or case == "margin":  # the P classes drawn among all num_classes
+        labels = torch.randperm(num_classes, generator=g)[labels]
+    if case == "smooth_ap":  # pml's Smooth-AP needs label-sorted equal-size class blocks
+        labels = torch.sort(labels).values
+    data = torch.randn(batch, dim, generator=g)
+    if case == "angular":
+        data = torch.nn.functional.normalize(data, dim=1)
+    if case == "npair_multi_positive":  # raw inner products: keep them O(1)
+        data = data / math.sqrt(dim)
+    return data.to(device), labels.to(device)
+
+
+def _to_device(fn: Callable, device: str) -> Callable:
+    return fn.to(device) if isinstance(fn, torch.nn.Module) else fn
 
 
 def _sync(device: str) -> None:
@@ -96,6 +201,9 @@ def _sync(device: str) -> None:
 
 
 def run_once(fn: Callable, data: torch.Tensor, labels: torch.Tensor, device: str) -> float:
+    if isinstance(fn, torch.nn.Module):
+        for param in fn.parameters():
+            param.grad = None
     emb = data.clone().requires_grad_(True)
     _sync(device)
     start = time.perf_counter()
@@ -108,15 +216,20 @@ def pml_runs(case: str, batch: int) -> bool:
     return batch <= PML_MAX_BATCH.get(case, batch)
 
 
-def time_case(case: str, batch: int, dim: int, repeats: int, device: str, plain: bool = False) -> Dict[str, float]:
-    ours, theirs = make_pair(case)
+def time_case(case: str, batch: int, dim: int, repeats: int, device: str, plain: bool = False,
+              num_classes: int = 11318) -> Dict[str, float]:
+    ours, theirs = (_to_device(f, device) for f in make_pair(case, num_classes, dim))
     if plain and hasattr(ours, "closed_form"):
         ours.closed_form = False  # plain masked composition differentiated by autograd
-    data, labels = make_data(case, batch, dim, device)
+    data, labels = make_data(case, batch, dim, device, num_classes=num_classes)
     with_pml = pml_runs(case, batch)
     run_once(ours, data, labels, device)  # warm-up
+    value_diff = float("nan")
     if with_pml:
         run_once(theirs, data, labels, device)
+        with torch.no_grad():  # the two compute the same loss (smooth_ap: documented difference, see make_pair)
+            mine, other = float(ours(data, labels)), float(theirs(data, labels))
+        value_diff = abs(mine - other) / max(abs(other), 1e-12)
     t_ours: List[float] = []
     t_pml: List[float] = []
     for _ in range(repeats):
@@ -125,7 +238,7 @@ def time_case(case: str, batch: int, dim: int, repeats: int, device: str, plain:
             t_pml.append(run_once(theirs, data, labels, device))
     mo = statistics.median(t_ours)
     mp = statistics.median(t_pml) if t_pml else float("nan")
-    return {"ours_ms": 1e3 * mo, "pml_ms": 1e3 * mp, "ratio": mo / mp}
+    return {"ours_ms": 1e3 * mo, "pml_ms": 1e3 * mp, "ratio": mo / mp, "value_rel_diff": value_diff}
 
 
 def _rss_mb() -> float:
@@ -157,11 +270,12 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def memory_child(case: str, impl: str, batch: int, dim: int, device: str) -> None:
-    """Runs in a fresh process: prints JSON {before, peak} in MiB."""
-    ours, theirs = make_pair(case)
-    data, labels = make_data(case, batch, dim, device)
-    fn = ours if impl == "ours" else theirs
+def memory_child(case: str, impl: str, batch: int, dim: int, device: str, num_classes: int = 11318) -> None:
+    """Runs in a fresh process: prints JSON {before, peak} in MiB (both include the loss's proxies, if any)."""
+    ours, theirs = make_pair(case, num_classes, dim)
+    data, labels = make_data(case, batch, dim, device, num_classes=num_classes)
+    fn = _to_device(ours if impl == "ours" else theirs, device)
+    del ours, theirs
     if device.startswith("cuda"):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -176,9 +290,9 @@ def memory_child(case: str, impl: str, batch: int, dim: int, device: str) -> Non
     print(json.dumps({"before": before, "peak": peak}))
 
 
-def measure_memory(case: str, impl: str, batch: int, dim: int, device: str) -> Dict[str, float]:
+def measure_memory(case: str, impl: str, batch: int, dim: int, device: str, num_classes: int = 11318) -> Dict[str, float]:
     cmd = [sys.executable, os.path.abspath(__file__), "--memory-child", case, impl, str(batch), "--dim", str(dim),
-           "--device", device]
+           "--device", device, "--num-classes", str(num_classes)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         return {"before": float("nan"), "peak": float("nan"), "error": out.stderr.strip().splitlines()[-1:]}
@@ -187,7 +301,10 @@ def measure_memory(case: str, impl: str, batch: int, dim: int, device: str) -> D
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
+    parser.add_argument("--cases", nargs="+", default=["seed"], choices=ALL_CASES + list(GROUPS),
+                        help="case names, or the groups 'seed' (the seed losses) and 'issue13' (the losses of issue 13)")
+    parser.add_argument("--num-classes", type=int, default=11318,
+                        help="proxies of the proxy / classification losses (default: SOP's 11,318 training classes)")
     parser.add_argument("--batch", nargs="+", type=int, default=[80, 512, 2048])
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=7)
@@ -200,26 +317,29 @@ def main() -> None:
     args = parser.parse_args()
     if args.memory_child:
         case, impl, batch = args.memory_child
-        memory_child(case, impl, int(batch), args.dim, args.device)
+        memory_child(case, impl, int(batch), args.dim, args.device, args.num_classes)
         return
+    cases = [c for name in args.cases for c in GROUPS.get(name, [name])]
 
     import pytorch_metric_learning
 
     print(f"# torch {torch.__version__}, pytorch-metric-learning {pytorch_metric_learning.__version__}, "
-          f"device {args.device}, threads {torch.get_num_threads()}, dim {args.dim}, repeats {args.repeats}"
-          f"{', ours = plain autograd path' if args.plain else ''}")
+          f"device {args.device}, threads {torch.get_num_threads()}, dim {args.dim}, repeats {args.repeats}, "
+          f"proxy classes {args.num_classes}{', ours = plain autograd path' if args.plain else ''}")
     mem_unit = "MiB CUDA peak" if args.device.startswith("cuda") else "MiB peak RSS (before loss)"
-    print(f"| loss | B | ours ms | pml ms | ours/pml | ours {mem_unit} | pml {mem_unit} |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(f"| loss | B | ours ms | pml ms | ours/pml | ours {mem_unit} | pml {mem_unit} | target |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     rows = []
-    for case in args.cases:
+    for case in cases:
         for batch in args.batch:
+            if batch > MAX_BATCH.get(case, batch):
+                continue
             res = time_case(case, batch, args.dim, args.repeats if batch < 2048 else max(3, args.repeats // 2),
-                            args.device, plain=args.plain)
+                            args.device, plain=args.plain, num_classes=args.num_classes)
             mem = {}
             if not args.no_memory:
                 for impl in ("ours", "pml") if pml_runs(case, batch) else ("ours",):
-                    mem[impl] = measure_memory(case, impl, batch, args.dim, args.device)
+                    mem[impl] = measure_memory(case, impl, batch, args.dim, args.device, args.num_classes)
 
             def fmt(m):
                 if not m:
@@ -228,11 +348,27 @@ def main() -> None:
 
             flag = " *" if case in TARGETED and batch >= 512 else ""
             print(f"| {case}{flag} | {batch} | {res['ours_ms']:.2f} | {res['pml_ms']:.2f} | {res['ratio']:.2f} | "
-                  f"{fmt(mem.get('ours'))} | {fmt(mem.get('pml'))} |", flush=True)
+                  f"{fmt(mem.get('ours'))} | {fmt(mem.get('pml'))} | {_verdict(case, res, mem)} |", flush=True)
             rows.append({"case": case, "batch": batch, **res, "memory": mem})
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(rows, fh, indent=1)
+
+
+def _verdict(case: str, res: Dict[str, float], mem: Dict[str, dict]) -> str:
+    """``time <= target: met/missed; memory: met/missed`` for the issue-13 cases ('-' for the others)."""
+    if case not in TARGET_RATIO:
+        return "-"
+    if math.isnan(res["ratio"]):
+        return "pml not run"
+    time_ok = "met" if res["ratio"] <= TARGET_RATIO[case] else "missed"
+    text = f"<= {TARGET_RATIO[case]:.1f}x: {time_ok}"
+    if "ours" in mem and "pml" in mem and not math.isnan(mem["pml"]["peak"]):
+        own = {k: mem[k]["peak"] - mem[k]["before"] for k in ("ours", "pml")}
+        text += f"; memory {'met' if own['ours'] <= own['pml'] + MEMORY_SLACK_MB else 'missed'}"
+    if res.get("value_rel_diff", 0.0) > 1e-4:
+        text += f"; values differ (rel. {res['value_rel_diff']:.1e})"
+    return text
 
 
 if __name__ == "__main__":
