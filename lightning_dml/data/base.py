@@ -19,21 +19,6 @@ from lightning_dml.models.input_spec import InputSpec, InputSpecMismatchError, b
 from lightning_dml.protocol.folds import class_folds
 
 
-def split_eval_batch(batch: Sequence[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
-    """Split an evaluation batch into ``images`` and the keyword arguments of ``RetrievalMetrics.update``.
-
-    Evaluation items are ``(image, label, index)``, or ``(image, label, index, is_query, is_gallery)`` for the
-    query/gallery benchmarks (In-Shop).
-    """
-    query_mask, gallery_mask = (batch[3], batch[4]) if len(batch) > 4 else (None, None)
-    return batch[0], {
-        "labels": batch[1],
-        "indices": batch[2] if len(batch) > 2 else None,
-        "query_mask": query_mask,
-        "gallery_mask": gallery_mask,
-    }
-
-
 class DMLDataModule(pl.LightningDataModule):
     """Base class of the zero-shot retrieval data modules.
 

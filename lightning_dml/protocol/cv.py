@@ -42,8 +42,9 @@ import numpy as np
 import torch
 from scipy import stats
 
-from lightning_dml.data.base import split_eval_batch
+from lightning_dml.callbacks.embedding import embed_loader
 from lightning_dml.metrics import RetrievalMetrics
+from lightning_dml.metrics.retrieval import eval_batch_targets
 from lightning_dml.protocol.budget import ProtocolError, load_budget
 
 MANIFEST = "cv.json"
@@ -150,21 +151,12 @@ def _budget(cli: Any, num_folds: int, repeats: int) -> dict[str, Any]:
     return {"num_folds": num_folds, "repeats": repeats, **{k: trainer.get(k) for k in keys}}
 
 
-@torch.no_grad()
 def embed_test_split(model: torch.nn.Module, datamodule: Any) -> dict[str, Any]:
     """The model's raw embeddings of the whole test split, in order, with labels, indices and query/gallery masks
     (on the CPU, the size of the test split, as saved to disk)."""
-    was_training = model.training
-    model.eval()
-    parts: dict[str, list[torch.Tensor]] = {}
-    for batch in datamodule.full_test_dataloader():
-        images, targets = split_eval_batch(batch)
-        parts.setdefault("embeddings", []).append(model(images.to(model.device)).float().cpu())
-        for key, value in targets.items():
-            if value is not None:
-                parts.setdefault(key, []).append(value.cpu())
-    model.train(was_training)
-    return {key: torch.cat(values) for key, values in parts.items()}
+    embeddings, rest = embed_loader(model, datamodule.full_test_dataloader())
+    targets = eval_batch_targets([embeddings, *rest])
+    return {"embeddings": embeddings.cpu(), **{k: v.cpu() for k, v in targets.items() if v is not None}}
 
 
 def run_fold(fit_args: Sequence[str], run_dir: Path, num_folds: int, fold: int, repeat: int, seed: int) -> Path:
