@@ -12,6 +12,7 @@ from lightning_dml.metrics import functional as F
 from lightning_dml.metrics._candidates import concat_results, merge_states
 from lightning_dml.metrics._device import bf16_matmul_is_fast
 from lightning_dml.metrics._precision import Scorer, tree_sum
+from lightning_dml.metrics import _scan
 from lightning_dml.metrics._scan import scan_symmetric
 from tests.metrics_reference import brute_metrics, brute_rankings, brute_scores
 
@@ -75,6 +76,44 @@ def test_knn_small_chunks_and_many_blocks() -> None:
         assert (rank == -1) == (first == -1)
         for k in ks:  # the rank is resolved exactly wherever it decides rank < K
             assert (0 <= rank < k) == (0 <= first < k), (q, k)
+
+
+def test_symmetric_pass_queries_below_the_shared_threshold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Clusters of very different spreads: the candidate thresholds of the loose clusters' queries lie below a
+    tile's shared threshold (its quantile raised here), so they take their candidates from their own rows and columns of the tile; the lists
+    and the decided ranks still equal the fp64 brute force (exact duplicates included)."""
+    g = torch.Generator().manual_seed(21)
+    centres = torch.randn(12, 16, generator=g)
+    spread = torch.linspace(0.01, 2.0, 12)
+    y = torch.arange(12).repeat_interleave(25)
+    x = centres[y] + spread[y, None] * torch.randn(300, 16, generator=g)
+    x[:3] = x[3:6]
+    sides = []
+    below = _scan._below_shared
+    monkeypatch.setattr(_scan, "_below_shared", lambda *args: sides.append(args[-1]) or below(*args))
+    monkeypatch.setattr(_scan, "_SHARED_QUANTILE", 0.25)  # a quarter of each tile's queries lie below it
+    search = F.build_search(F.prepare(x, y), precision="fp32", query_block=32)
+    assert search.use_symmetric()
+    ks = (1, 5, 50)
+    res = search.run(10, ks, exact_scores=True)
+    assert {0, 1} <= set(sides)  # both sides of some tiles had queries below the shared threshold
+    for q, cand, rel, _ in brute_rankings(x, y):
+        assert res.neighbors[q].tolist() == cand[:10], f"query {q}"
+        first = rel.index(True) if any(rel) else -1
+        rank = int(res.first_positive_rank[q])
+        for k in ks:
+            assert (0 <= rank < k) == (0 <= first < k), (q, k)
+
+
+def test_scorer_rows_by_view_and_by_gather_agree() -> None:
+    """Consecutive positions are read as a view of the representation, others gathered: the same scores."""
+    x, _ = _tricky_set(n=80, seed=4)
+    sc = Scorer(x, "cosine", "fp32")
+    run = torch.arange(10, 40)
+    perm = run[torch.randperm(30, generator=torch.Generator().manual_seed(0))]
+    gal = torch.arange(80)
+    assert torch.equal(sc.approx(perm, gal), sc.approx(run, gal)[perm - 10])
+    assert torch.equal(sc.approx(gal, perm), sc.approx(gal, run)[:, perm - 10])
 
 
 def test_query_vs_gallery_knn() -> None:

@@ -174,11 +174,22 @@ class Scorer:
     def approx(self, q_items: Tensor, g_items: Tensor) -> Tensor:
         """Approximate scores ``(len(q_items), len(g_items))`` in float32."""
         with _Threads(self.threads), matmul_mode(self.device, self.precision):
-            prod = self.rep[q_items] @ self.rep[g_items].T
+            prod = self._rows(q_items) @ self._rows(g_items).T
         prod = prod.float()
         if self.metric == "cosine":
             return prod
         return prod.mul_(2.0).sub_(self.sq32[g_items].unsqueeze(0)).sub_(self.sq32[q_items].unsqueeze(1))
+
+    def _rows(self, items: Tensor) -> Tensor:
+        """Rows ``items`` of the approximate representation: a view when they are consecutive positions (on the
+        CPU, where the check costs no device synchronisation), else ``index_select`` (six times faster than
+        ``rep[items]`` on the CPU: 0.14 against 0.9 ms per 2048 x 512 block)."""
+        n = items.numel()
+        if items.device.type == "cpu" and n > 1:
+            first = int(items[0])
+            if int(items[-1]) - first == n - 1 and bool((items.diff() == 1).all()):
+                return self.rep[first : first + n]
+        return self.rep.index_select(0, items)
 
     def error_bound(self, q_items: Tensor, g_items: Tensor) -> Tensor:
         """Per-query bound ``w_q >= |approx(q, g) - exact(q, g)|`` for every gallery item g (float64)."""
@@ -213,8 +224,8 @@ class Scorer:
         for s in range(0, q_items.numel(), step):
             qi = q_items[s : s + step]
             gi = g_items[s : s + step]
-            a = self.x[qi].double()
-            b = self.x[gi].double()
+            a = self.x.index_select(0, qi).double()
+            b = self.x.index_select(0, gi).double()
             if self.metric == "cosine":
                 out[s : s + step] = tree_sum(a.mul_(b)) / (self.norms64[qi] * self.norms64[gi])
             else:
@@ -228,7 +239,7 @@ class Scorer:
         for s in range(0, q_items.numel(), step):
             qi = q_items[s : s + step]
             gi = g_items[s : s + step]
-            dot = (self.rep[qi].float() * self.rep[gi].float()).sum(dim=1)
+            dot = (self.rep.index_select(0, qi).float() * self.rep.index_select(0, gi).float()).sum(dim=1)
             if self.metric == "cosine":
                 out[s : s + step] = dot
             else:

@@ -99,28 +99,72 @@ def scan_symmetric(search: ExactSearch, st: PassState, part: tuple[int, int] = (
                 _count_side(a, m, st, ri, 1, kmax)
                 _count_side(a, m, st, rj, 0, kmax)
             if kc > 0:
-                _candidates_side(a, m, st, tau, ri, rj, 1)
-                _candidates_side(a, m, st, tau, rj, ri, 0)
+                q, v, g = (torch.cat(t) for t in zip(*_candidates_tile(a, m, tau, ri, rj)))
+                if q.numel():
+                    st.buf_v, st.buf_i = insert_pairs(st.buf_v, st.buf_i, q, v, g, kc)
+                    if st.buf_v.shape[1] >= kc:  # raise the thresholds of the queries that received candidates
+                        upd = torch.unique(q)
+                        tau[upd] = torch.maximum(tau[upd], st.buf_v[upd, kc - 1])
+
+
+#: the shared threshold of a tile is this quantile of its queries' thresholds; the queries below it are compared
+#: on their own
+_SHARED_QUANTILE = 1 / 128
+
+
+def _candidates_tile(a: Tensor, m: Tensor, tau: Tensor, ri: Tensor, rj: Tensor) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Candidates of both sides of a tile (rows: queries ``ri`` against gallery ``rj``; columns: the reverse), as
+    triples (query row, approximate score, gallery position).
+
+    An entry can only matter to a query if it reaches the query's threshold ``tau`` (the kc-th largest score merged
+    so far). One comparison of the tile with a shared scalar threshold ``ts`` (a low quantile of the thresholds of
+    both blocks) and one sparse extraction serve both sides; the extracted entries are then filtered per side.
+    The few queries whose own threshold lies below ``ts`` also get their entries in ``[tau, ts)``, from their own
+    rows or columns.
+    """
+    t_r, t_c = tau[ri], tau[rj]
+    both = torch.cat([t_r, t_c])
+    finite = both[both > -math.inf]
+    if finite.numel() == 0:
+        return [_candidates_side(a, m, t_r, ri, rj, 1), _candidates_side(a, m, t_c, rj, ri, 0)]
+    ts = finite.kthvalue(max(1, math.ceil(finite.numel() * _SHARED_QUANTILE))).values
+    torch.ge(a, ts, out=m)
+    r, c = true_pairs(m, 1)
+    v = a[r, c]
+    out = []
+    keep = v >= t_r[r]
+    out.append((ri[r[keep]], v[keep], rj[c[keep]]))
+    keep = v >= t_c[c]
+    out.append((rj[c[keep]], v[keep], ri[r[keep]]))
+    low = (t_r < ts).nonzero().squeeze(1)
+    if low.numel():
+        out.append(_below_shared(a.index_select(0, low), t_r[low], ts, ri[low], rj, 1))
+    low = (t_c < ts).nonzero().squeeze(1)
+    if low.numel():
+        out.append(_below_shared(a.index_select(1, low), t_c[low], ts, rj[low], ri, 0))
+    return out
+
+
+def _below_shared(
+    part: Tensor, t: Tensor, ts: Tensor, queries: Tensor, gallery: Tensor, dim: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Entries of the queries' own rows (dim=1) or columns (dim=0) of a tile with ``t <= score < ts``."""
+    shape = (-1, 1) if dim == 1 else (1, -1)
+    hit = (part >= t.view(shape)) & (part < ts)
+    r, c = hit.nonzero(as_tuple=True)
+    q, g = (r, c) if dim == 1 else (c, r)
+    return queries[q], part[r, c], gallery[g]
 
 
 def _candidates_side(
-    a: Tensor, m: Tensor, st: PassState, tau: Tensor, queries: Tensor, gallery: Tensor, dim: int
-) -> None:
-    """Insert the candidates of one side of a tile (dim=1: rows of ``a`` are the queries; dim=0: columns).
-
-    An entry can only matter if it reaches its query's threshold ``tau`` (the kc-th largest score seen so far),
-    which rises as the buffers fill.
-    """
+    a: Tensor, m: Tensor, t: Tensor, queries: Tensor, gallery: Tensor, dim: int
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Candidates of one side of a tile (dim=1: rows of ``a`` are the queries; dim=0: columns) with thresholds ``t``."""
     shape = (-1, 1) if dim == 1 else (1, -1)
-    torch.ge(a, tau[queries].view(shape), out=m)
+    torch.ge(a, t.view(shape), out=m)
     r, c = true_pairs(m, dim)
-    if r.numel() == 0:
-        return
     q, g = (r, c) if dim == 1 else (c, r)
-    st.buf_v, st.buf_i = insert_pairs(st.buf_v, st.buf_i, queries[q], a[r, c], gallery[g], st.kc)
-    if st.buf_v.shape[1] >= st.kc:
-        upd = torch.unique(queries[q])
-        tau[upd] = torch.maximum(tau[upd], st.buf_v[upd, st.kc - 1])
+    return queries[q], a[r, c], gallery[g]
 
 
 def _count_side(a: Tensor, m: Tensor, st: PassState, rows: Tensor, dim: int, kmax: int) -> None:
