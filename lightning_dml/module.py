@@ -33,6 +33,11 @@ def _default_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-4)
 
 
+def _needs_sizes(loss: nn.Module) -> bool:
+    """Whether ``DMLModule`` fills in sizes of this loss at fit start (``num_classes`` and/or the embedding width)."""
+    return bool(getattr(loss, "needs_num_classes", False) or getattr(loss, "needs_embedding_dim", False))
+
+
 class DMLModule(pl.LightningModule):
     """A deep-metric-learning model: ``embedding = head(backbone(image))``, trained with a pair loss.
 
@@ -96,7 +101,8 @@ class DMLModule(pl.LightningModule):
     (``3 * embedding_dim`` with ``fusion="concat"``), and saves them as the ``loss_sizes`` hyper-parameter so a
     checkpoint rebuilds the loss. Training labels are mapped to class indices ``0 .. num_classes - 1`` in the
     order of ``train_class_ids``. With ``fusion="per_level"`` each level has its own loss instance
-    (:attr:`level_losses`). Their parameters form the optimizer group ``"loss"``.
+    (:attr:`level_losses`). Their parameters form the optimizer group ``"loss"``. A loss that needs the width alone
+    (``needs_embedding_dim``: :class:`~lightning_dml.losses.CrossBatchMemory`'s memory) gets it the same way.
     """
 
     def __init__(
@@ -209,16 +215,21 @@ class DMLModule(pl.LightningModule):
 
     def _complete_losses(self, datamodule: Any) -> None:
         """Fill in ``num_classes`` / ``embedding_dim`` of the losses that need them (see the class docstring)."""
-        losses = [loss for loss in self.trained_losses() if getattr(loss, "needs_num_classes", False)]
+        losses = [loss for loss in self.trained_losses() if _needs_sizes(loss)]
         if not losses:
             return
-        class_ids = getattr(datamodule, "train_class_ids", None)
+        class_ids = None
+        if any(getattr(loss, "needs_num_classes", False) for loss in losses):
+            class_ids = getattr(datamodule, "train_class_ids", None)
         if class_ids is not None:
             num_classes = int(class_ids.numel())
         else:
             num_classes = getattr(datamodule, "num_train_classes", None)
         width = self.hparams.embedding_dim if self.fusion == "per_level" else int(self.head.embedding_dim)
         for loss in losses:
+            if not getattr(loss, "needs_num_classes", False):  # the width alone (CrossBatchMemory)
+                loss.complete(embedding_dim=width).to(self.device)
+                continue
             loss.complete(num_classes=num_classes, embedding_dim=width)
             if not loss.is_complete:
                 source = f"{type(datamodule).__name__} has no num_train_classes" if datamodule else "no data module"
@@ -229,7 +240,11 @@ class DMLModule(pl.LightningModule):
             loss.to(self.device)
         if class_ids is not None:
             self.train_class_ids = class_ids.to(self.device)
-        self.hparams["loss_sizes"] = {"num_classes": losses[0].num_classes, "embedding_dim": losses[0].embedding_dim}
+        first = losses[0]
+        self.hparams["loss_sizes"] = (
+            {"num_classes": first.num_classes, "embedding_dim": first.embedding_dim}
+            if getattr(first, "needs_num_classes", False) else {"embedding_dim": first.embedding_size}
+        )
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # rebuild the parameters of losses whose sizes were filled in by setup("fit") before the weights load
@@ -239,6 +254,8 @@ class DMLModule(pl.LightningModule):
         for loss in self.trained_losses():
             if getattr(loss, "needs_num_classes", False):
                 loss.complete(**sizes).to(self.device)
+            elif getattr(loss, "needs_embedding_dim", False):
+                loss.complete(embedding_dim=sizes.get("embedding_dim")).to(self.device)
         self.hparams["loss_sizes"] = dict(sizes)
 
     def _class_indices(self, labels: torch.Tensor) -> torch.Tensor:

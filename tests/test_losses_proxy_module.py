@@ -13,7 +13,7 @@ import yaml
 
 from lightning_dml.cli import build_cli
 from lightning_dml.data.base import DMLDataModule, TensorImageDataset
-from lightning_dml.losses import ArcFaceLoss, MultiSimilarityLoss, ProxyAnchorLoss, SoftTripleLoss
+from lightning_dml.losses import ArcFaceLoss, CrossBatchMemory, MultiSimilarityLoss, ProxyAnchorLoss, SoftTripleLoss
 from lightning_dml.models import SmallConvNet
 from lightning_dml.module import DMLModule
 
@@ -249,3 +249,32 @@ def test_proxy_losses_train_without_positive_pairs():
     assert torch.isfinite(trainer.callback_metrics["train/loss"])
     with pytest.raises(ValueError, match="MultiSimilarityLoss needs positive pairs"):
         _fit(_module(loss=MultiSimilarityLoss()), _TinyData(classes_per_batch=6, samples_per_class=1))
+
+
+def test_cross_batch_memory_gets_the_head_width_and_a_checkpoint_rebuilds_it(tmp_path):
+    """The memory's width is left out (the registry default), filled in from the head at fit start."""
+    model = _module(loss=CrossBatchMemory("contrastive", memory_size=8), embedding_dim=8)
+    assert model.loss.embedding_size is None
+    trainer = _fit(model)
+    assert model.loss.memory_embeddings.shape == (8, 8) and int(model.loss.num_filled) > 0
+    assert model.hparams["loss_sizes"] == {"embedding_dim": 8}
+    assert model.train_class_ids is None  # labels are not mapped: the memory holds no per-class parameter
+    path = tmp_path / "xbm.ckpt"
+    trainer.save_checkpoint(path)
+    restored = DMLModule.load_from_checkpoint(
+        path, backbone=SmallConvNet(in_channels=3, width=4), loss=CrossBatchMemory("contrastive", memory_size=8)
+    )
+    torch.testing.assert_close(restored.loss.memory_embeddings, model.loss.memory_embeddings)
+
+
+def test_cross_batch_memory_width_that_disagrees_with_the_head_is_an_error():
+    model = _module(loss=CrossBatchMemory("contrastive", embedding_size=512, memory_size=8), embedding_dim=8)
+    with pytest.raises(ValueError, match="embedding_size=512, but the model gives embedding_dim=8"):
+        _fit(model)
+
+
+def test_cross_batch_memory_alone_takes_the_width_of_its_first_batch():
+    xbm = CrossBatchMemory("contrastive", memory_size=4)
+    g = torch.Generator().manual_seed(0)
+    value = xbm(torch.randn(6, 5, generator=g), torch.tensor([0, 0, 1, 1, 2, 2]))
+    assert torch.isfinite(value) and xbm.memory_embeddings.shape == (4, 5)

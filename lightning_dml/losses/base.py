@@ -293,6 +293,8 @@ class PairLoss(nn.Module):
     has_parameters: bool = False
     #: whether the loss needs ``num_classes`` (filled in by ``DMLModule`` through its ``complete`` method)
     needs_num_classes: bool = False
+    #: whether the loss needs the embedding width alone (``CrossBatchMemory``'s memory), filled in the same way
+    needs_embedding_dim: bool = False
     #: the batch sampler the loss's batch structure needs (``"npair"``), or None for any P x K batch
     required_sampler: str | None = None
     #: how the loss runs under ``DMLModule(gather_distributed=True)``

@@ -22,7 +22,9 @@ class CrossBatchMemory(nn.Module):
 
     Args:
         loss: the wrapped loss, a :class:`PairLoss` instance or a registry name built with its defaults.
-        embedding_size: ``D`` of the embeddings.
+        embedding_size: ``D`` of the embeddings; ``None`` (default): the width of the model's embedding, filled in by
+            ``DMLModule`` when fit starts (through :meth:`complete`), or taken from the first batch when the loss is
+            used on its own.
         memory_size: number of remembered embeddings ``M``.
         start_after: number of training calls before the memory is used (a warm-up; the XBM paper starts after the
             embedding has stabilised). Until then the loss sees the batch only; the memory is filled regardless.
@@ -39,13 +41,14 @@ class CrossBatchMemory(nn.Module):
     needs_positive_pairs = True
     has_parameters = False
     needs_num_classes = False
+    needs_embedding_dim = True
     required_sampler = None
     gather_mode = "global_batch"
 
     def __init__(
         self,
         loss: PairLoss | str = "contrastive",
-        embedding_size: int = 512,
+        embedding_size: int | None = None,
         memory_size: int = 1024,
         start_after: int = 0,
     ) -> None:
@@ -54,14 +57,14 @@ class CrossBatchMemory(nn.Module):
             loss = build_loss(loss)
         if not isinstance(loss, PairLoss) or not loss.supports_ref:
             raise ValueError(f"CrossBatchMemory needs a pair loss that accepts ref_embeddings, got {type(loss).__name__}")
-        if embedding_size < 1 or memory_size < 1 or start_after < 0:
+        if (embedding_size is not None and embedding_size < 1) or memory_size < 1 or start_after < 0:
             raise ValueError(
                 f"need embedding_size >= 1, memory_size >= 1, start_after >= 0; got {embedding_size}, {memory_size}, "
                 f"{start_after}"
             )
         self.loss = loss
         self.embedding_size, self.memory_size, self.start_after = embedding_size, memory_size, start_after
-        self.register_buffer("memory_embeddings", torch.zeros(memory_size, embedding_size))
+        self.register_buffer("memory_embeddings", torch.zeros(memory_size, embedding_size or 0))
         self.register_buffer("memory_labels", torch.zeros(memory_size, dtype=torch.long))
         self.register_buffer("num_filled", torch.zeros((), dtype=torch.long))
         self.register_buffer("write_pointer", torch.zeros((), dtype=torch.long))
@@ -69,6 +72,30 @@ class CrossBatchMemory(nn.Module):
 
     def extra_repr(self) -> str:
         return f"embedding_size={self.embedding_size}, memory_size={self.memory_size}, start_after={self.start_after}"
+
+    @property
+    def is_complete(self) -> bool:
+        """Whether the memory's width is known."""
+        return self.embedding_size is not None
+
+    def complete(self, num_classes: int | None = None, embedding_dim: int | None = None) -> CrossBatchMemory:
+        """Size the memory for ``embedding_dim`` when ``embedding_size`` was left out (``num_classes`` is unused).
+
+        A width given both here and at construction must agree (``ValueError`` naming both). Returns ``self``.
+        """
+        if embedding_dim is None:
+            return self
+        if self.embedding_size is not None:
+            if int(embedding_dim) != self.embedding_size:
+                raise ValueError(
+                    f"CrossBatchMemory was configured with embedding_size={self.embedding_size}, but the model gives "
+                    f"embedding_dim={int(embedding_dim)} (width of the embedding): leave embedding_size out or make "
+                    "the two agree"
+                )
+            return self
+        self.embedding_size = int(embedding_dim)
+        self.memory_embeddings = self.memory_embeddings.new_zeros(self.memory_size, self.embedding_size)
+        return self
 
     def reset(self) -> None:
         """Empty the memory."""
@@ -95,6 +122,8 @@ class CrossBatchMemory(nn.Module):
         ref_labels: Tensor | None = None,
     ) -> Tensor:
         check_inputs(embeddings, labels, ref_embeddings, ref_labels, where=type(self).__name__)
+        if self.embedding_size is None:
+            self.complete(embedding_dim=embeddings.shape[1])
         if embeddings.shape[1] != self.embedding_size:
             raise ValueError(f"embeddings have dim {embeddings.shape[1]}, the memory was built for {self.embedding_size}")
         n = int(self.num_filled)

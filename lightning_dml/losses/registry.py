@@ -2,8 +2,8 @@
 
 Every loss registers itself where it is defined, with the class decorator ``@register_loss("name")`` (as timm's
 ``register_model``), and declares what it needs and supports as class attributes (``needs_positive_pairs``,
-``supports_ref``, ``has_parameters``, ``needs_num_classes``, ``required_sampler``, ``gather_mode``: see
-:class:`~lightning_dml.losses.base.PairLoss`).
+``supports_ref``, ``has_parameters``, ``needs_num_classes``, ``needs_embedding_dim``, ``required_sampler``,
+``gather_mode``: see :class:`~lightning_dml.losses.base.PairLoss`).
 """
 
 from __future__ import annotations
