@@ -36,7 +36,11 @@ def power_of_two_scale(x: Tensor, dim: int | None = None) -> Tensor:
     a = x.detach()
     if dim is None:
         a = a.reshape(-1)
-    amax = torch.linalg.vector_norm(a, ord=float("inf"), dim=0 if dim is None else dim, keepdim=dim is not None)
+    d, keep = (0 if dim is None else dim), dim is not None
+    if a.numel() > 0:  # max |x| as two reductions: vector_norm(ord=inf) is ~10x slower on the CPU
+        amax = torch.maximum(a.amax(dim=d, keepdim=keep), a.amin(dim=d, keepdim=keep).neg())
+    else:
+        amax = torch.linalg.vector_norm(a, ord=float("inf"), dim=d, keepdim=keep)
     exponent = torch.frexp(amax)[1].clamp(*_exponent_range(x.dtype))
     return torch.exp2(exponent.to(x.dtype))
 

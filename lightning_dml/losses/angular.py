@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_dml.losses.base import PairLoss, batch_normaliser, similarity_matrix
+from lightning_dml.losses.base import PairLoss, batch_normaliser
 from lightning_dml.losses.registry import register_loss
-from lightning_dml.miners import label_masks
+from lightning_dml.miners.mining import positive_table
 
 __all__ = ["AngularLoss"]
 
@@ -30,9 +30,11 @@ class AngularLoss(PairLoss):
                   - 2 (1 + \tan^2\alpha)\, x_a^\top x_p\big)\Big]
 
     averaged over the positive pairs. The sum over ``n`` factorises, ``e^{4 t^2 (s_an + s_pn)} =
-    e^{4 t^2 s_an} e^{4 t^2 s_pn}``, so it is one ``B x N`` by ``N x N`` matrix product (no ``pairs x N``
-    tensor); each factor is shifted by its row maximum, which is exact while ``4 t^2`` times the similarity range
-    stays within fp32's exponent range, i.e. for ``alpha <= 60`` degrees (larger values are refused).
+    e^{4 t^2 s_an} e^{4 t^2 s_pn}``: with ``E = e^{4 t^2 (S - 1)}`` (one ``N x N`` exponential) it is a row-wise
+    dot product of ``E_a`` (restricted to the negatives of ``a``) and ``E_p``, ``O(B K N)`` for ``K`` positives per
+    anchor (no ``pairs x N`` tensor, no ``N x N x N`` product), with a closed-form backward. ``E`` lies in
+    ``[e^{-8 t^2}, 1]``, so neither it nor the products underflow in fp32 for ``alpha <= 60`` degrees (larger values
+    are refused).
 
     Args:
         alpha: the angle bound, in **radians** (default ``pi / 4`` = 45 degrees, the value this project takes
@@ -62,28 +64,77 @@ class AngularLoss(PairLoss):
         return f"alpha={self.alpha}"
 
     def compute(self, anchors: Tensor, labels: Tensor, gallery: Tensor | None, gallery_labels: Tensor) -> Tensor:
-        pos, neg = label_masks(labels, gallery_labels)
+        _, cols, valid = positive_table(labels, gallery_labels)
+        # every row's positives first, then the table cut to the largest positive count (the self slot and the
+        # padding of smaller classes cost no pass over the gallery)
+        order = torch.argsort((~valid).to(torch.uint8), dim=1, stable=True)
+        width = max(int(valid.sum(dim=1).amax()), 1)
+        cols, valid = cols.gather(1, order)[:, :width], valid.gather(1, order)[:, :width]
+        neg = labels[:, None] != gallery_labels[None, :]
         g = anchors if gallery is None else gallery
-        sim = similarity_matrix(anchors, g)  # B x N
-        sim_gg = sim if gallery is None else similarity_matrix(g, g)  # N x N
-        return self.angular_loss(sim, sim_gg, pos, neg)
-
-    def angular_loss(self, sim: Tensor, sim_gg: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
-        """Loss from anchor-gallery ``sim`` [B, N], gallery-gallery ``sim_gg`` [N, N] (its first B rows are the
-        anchors when the gallery starts with the batch) and the label masks."""
         tan2 = math.tan(self.alpha) ** 2
-        c = 4.0 * tan2
-        x_an = c * sim
-        shift_a = x_an.masked_fill(~neg, -torch.inf).amax(dim=1).detach()
-        shift_a = torch.where(torch.isfinite(shift_a), shift_a, 0.0)
-        e_an = torch.exp(x_an - shift_a[:, None]) * neg
-        x_pn = c * sim_gg
-        shift_p = x_pn.amax(dim=1).detach()
-        e_pn = torch.exp(x_pn - shift_p[:, None])
-        total = e_an @ e_pn.T  # [a, p]: sum over the negatives n of a of e^{c s_an} e^{c s_pn}, shifted
+        inner = _AngularPairs.apply(g, neg, cols, 4.0 * tan2, 2.0 * (1.0 + tan2))
+        terms = F.softplus(torch.where(valid, inner, -torch.inf))
+        total = terms.sum()
+        return total / batch_normaliser(valid.sum(), total)
+
+
+class _AngularPairs(torch.autograd.Function):
+    r"""``inner[a, k] = log sum_{n: neg[a, n]} e^{c (S_an + S_pn)} - b S_ap`` for the ``k``-th positive ``p`` of
+    anchor ``a`` (``-inf`` where ``a`` has no negative), ``S = G G^T`` clamped to ``[-1, 1]`` (zero gradient outside,
+    as autograd through the clamp), the anchors being the first ``B`` rows of ``G``; closed-form backward.
+
+    With ``E = e^{c (S - 1)}`` (in ``[e^{-2c}, 1]``: no overflow, and no underflow for ``c <= 12``, i.e.
+    ``alpha <= 60`` degrees) the sum is ``e^{2c} sum_n neg_an E_an E_pn``: per positive slot ``k`` one gather of
+    the rows ``E_p`` and a row-wise dot product, ``O(B K N)`` instead of the ``B x N x N`` product of all pairs.
+    """
+
+    @staticmethod
+    def forward(ctx, g, neg, cols, c: float, b: float):  # type: ignore[override]
+        n_anchors = neg.shape[0]
+        raw = g @ g.T
+        raw.diagonal().fill_(0.0)  # the self-pairs are never used (n is a negative of a, p a positive)
+        out_of_range = None
+        if bool((raw.amax() > 1.0) | (raw.amin() < -1.0)):
+            # entries beyond [-1, 1] (duplicates and opposites, by rounding): clamped, with zero gradient
+            out_of_range = (raw < -1.0) | (raw > 1.0)
+            raw.clamp_(-1.0, 1.0)
+        s_ap = raw[:n_anchors].gather(1, cols)
+        # in place, one pass: E = e^{c S - c}
+        e = torch.add(torch.full((), -c, dtype=raw.dtype, device=raw.device), raw, alpha=c, out=raw).exp_()
+        e_neg = e[:n_anchors].masked_fill(~neg, 0.0)
+        total = torch.empty(cols.shape, dtype=e.dtype, device=e.device)
+        rows = torch.empty_like(e_neg)
+        for k in range(cols.shape[1]):
+            torch.index_select(e, 0, cols[:, k], out=rows)
+            total[:, k] = torch.bmm(e_neg[:, None, :], rows[:, :, None]).view(-1)
         has = total > 0
-        log_total = torch.log(torch.where(has, total, 1.0))
-        inner = log_total + shift_a[:, None] + shift_p[None, :] - 2.0 * (1.0 + tan2) * sim
-        terms = F.softplus(torch.where(has, inner, -torch.inf))
-        total = torch.where(pos, terms, 0.0).sum()
-        return total / batch_normaliser(pos.sum(), total)
+        inner = torch.where(has, torch.log(torch.where(has, total, 1.0)) + 2.0 * c - b * s_ap, -torch.inf)
+        ctx.e, ctx.e_neg, ctx.total, ctx.out_of_range, ctx.c, ctx.b = e, e_neg, total, out_of_range, c, b
+        ctx.save_for_backward(g, cols)
+        return inner
+
+    @staticmethod
+    def backward(ctx, grad_inner):  # type: ignore[override]
+        if ctx.e is None:
+            raise RuntimeError("the angular loss's backward can run only once (it reuses its buffers)")
+        g, cols = ctx.saved_tensors
+        e, e_neg, total, c = ctx.e, ctx.e_neg, ctx.total, ctx.c
+        ctx.e = ctx.e_neg = None
+        n_anchors = e_neg.shape[0]
+        # d inner / d total = 1 / total; d total / d S_an = d total / d S_pn = c E_an E_pn (n a negative of a)
+        w = torch.where(total > 0, grad_inner / total.clamp(min=torch.finfo(total.dtype).tiny), 0.0) * c
+        rows = torch.empty_like(e_neg)
+        to_anchor = torch.zeros_like(e_neg)  # sum_k w_ak E_{p_k, n}
+        to_positive = torch.zeros_like(e)  # row p: sum over the pairs (a, p) of w_ap E_an [neg]
+        for k in range(cols.shape[1]):
+            torch.index_select(e, 0, cols[:, k], out=rows)
+            to_anchor.addcmul_(rows, w[:, k : k + 1])
+            to_positive.index_add_(0, cols[:, k], torch.mul(e_neg, w[:, k : k + 1], out=rows))
+        weights = to_positive.mul_(e)  # dL/dS, N x N
+        weights[:n_anchors].addcmul_(to_anchor, e_neg)
+        # d inner / d S_ap = -b
+        weights[:n_anchors].scatter_add_(1, cols, grad_inner * -ctx.b)
+        if ctx.out_of_range is not None:
+            weights.masked_fill_(ctx.out_of_range, 0.0)
+        return torch.addmm(weights @ g, weights.T, g), None, None, None, None

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from lightning_dml.losses.base import PairLoss, batch_normaliser, masked_lse
 from lightning_dml.losses.registry import register_loss
+from lightning_dml.losses.softmax_pairs import neighbour_log_probability, neighbour_softmax_terms
 
 __all__ = ["NCALoss"]
 
@@ -27,7 +28,8 @@ class NCALoss(PairLoss):
     * ``objective="expected"``: ``-(1/|I|) sum_i p_i``, the expected number of correct classifications (Eq. 3),
 
     over the anchors ``I`` with at least one positive. References add candidates ``j`` (``p_ij`` over the batch
-    and the references).
+    and the references). Computed from the two log-sum-exps with a closed-form backward
+    (:mod:`lightning_dml.losses.softmax_pairs`).
 
     Args:
         scale: ``s`` (the NCA paper has none: ``A`` absorbs it; 1 as pml's ``softmax_scale``).
@@ -53,12 +55,29 @@ class NCALoss(PairLoss):
     def extra_repr(self) -> str:
         return f"scale={self.scale}, objective={self.objective!r}"
 
+    def _has_closed_form(self) -> bool:
+        return True
+
+    def compute(self, anchors: Tensor, labels: Tensor, gallery: Tensor | None, gallery_labels: Tensor) -> Tensor:
+        """Closed-form path (:func:`neighbour_softmax_terms`: the log-sum-exp over the candidates and the
+        positives' logits, with a closed-form backward); ``closed_form=False``: :meth:`pair_loss` through autograd.
+
+        ``-scale d_ij = 2 scale (S_ij - 1)``: the constant ``-2 scale`` cancels in ``p_ij``, so the logits are
+        ``2 scale S_ij``."""
+        if not self.closed_form:
+            return super().compute(anchors, labels, gallery, gallery_labels)
+        lse, positives, pos = neighbour_softmax_terms(anchors, labels, gallery, gallery_labels, 2.0 * self.scale)
+        return self._reduce(neighbour_log_probability(lse, positives, pos, gallery_labels.numel()), pos.any(dim=1))
+
+    def _reduce(self, log_p: Tensor, valid: Tensor) -> Tensor:
+        """The objective's mean over the anchors with a positive, from their ``log p_i``."""
+        per_anchor = -log_p if self.objective == "log" else -torch.exp(log_p)
+        total = torch.where(valid, per_anchor, 0.0).sum()
+        return total / batch_normaliser(valid.sum(), total)
+
     def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
         # -scale ||f_i - f_j||^2 = -scale (2 - 2 S_ij) on the unit sphere (S <= 1, so no clamp is needed)
         logits = (2.0 * self.scale) * (sim - 1.0)
         valid = pos.any(dim=1)
         fill = ~valid[:, None]
-        log_p = masked_lse(logits, pos | fill) - masked_lse(logits, pos | neg | fill)
-        per_anchor = -log_p if self.objective == "log" else -torch.exp(log_p)
-        total = torch.where(valid, per_anchor, 0.0).sum()
-        return total / batch_normaliser(valid.sum(), total)
+        return self._reduce(masked_lse(logits, pos | fill) - masked_lse(logits, pos | neg | fill), valid)

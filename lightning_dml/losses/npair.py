@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_dml.losses.base import PairLoss, masked_lse
+from lightning_dml.losses.base import PairLoss
 from lightning_dml.losses.registry import register_loss
-from lightning_dml.miners import label_masks
+from lightning_dml.losses.softmax_pairs import neighbour_log_probability, neighbour_softmax_terms
 from lightning_dml.scaling import common_power_of_two_scale
 
 __all__ = ["NPairLoss", "npair_indices"]
@@ -35,18 +37,22 @@ def npair_indices(labels: Tensor) -> tuple[Tensor, Tensor]:
     return order[first[has_pair]], order[second[has_pair]]
 
 
-def scaled_for_inner_products(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``(x / s, s)``: ``x`` divided by a power of two ``s >= 1`` near its largest entry (exact), so that raw inner
-    products ``(x/s)(x/s)^T`` cannot overflow; the caller multiplies differences of logits back by ``s`` twice.
+def scaled_for_inner_products(x: Tensor) -> tuple[Tensor, Tensor, float]:
+    """``(x / s, s, float(s))``: ``x`` divided by a power of two ``s >= 1`` near its largest entry (exact), so that raw
+    inner products ``(x/s)(x/s)^T`` cannot overflow; the caller multiplies differences of logits back by ``s``
+    twice. ``x`` itself (no copy) where ``s = 1``.
 
-    Raw inner products are not scale-invariant: entries beyond ``2**32`` would give gradients that overflow fp32
-    intermediates (the gradient w.r.t. ``x/s`` is ``s`` times the true one), so such (degenerate) inputs are
+    Raw inner products are not scale-invariant: entries of ``2**32`` and beyond would give gradients that overflow
+    fp32 intermediates (the gradient w.r.t. ``x/s`` is ``s`` times the true one), so such (degenerate) inputs are
     computed in fp64 and the loss cast back (``inf`` where the true value exceeds fp32). One host read decides.
     """
-    if x.dtype != torch.float64 and bool(x.detach().abs().amax() > _FP32_SAFE_ENTRY):
-        x = x.double()
     scale = common_power_of_two_scale(x).clamp(min=1.0)
-    return x / scale, scale
+    s = float(scale)  # the largest entry is in [s / 2, s) (or below 1 where s = 1)
+    if x.dtype != torch.float64 and s > _FP32_SAFE_ENTRY:
+        x = x.double()
+        scale = common_power_of_two_scale(x).clamp(min=1.0)
+        s = float(scale)
+    return (x if s == 1.0 else x / scale), scale, s
 
 
 @register_loss("npair")
@@ -115,19 +121,17 @@ class NPairLoss(PairLoss):
 
     def _multi_positive(self, anchors: Tensor, labels: Tensor) -> Tensor:
         """Eq. 9 over every anchor with a positive, overflow-safe as the other variants (see ``compute``)."""
-        pos, neg = label_masks(labels)
+        x, scale, s = scaled_for_inner_products(anchors)
+        # the logits x_i^T x_j s^2 scaled back in one exact step, or two where s^2 exceeds the float range
+        factors = (s * s,) if math.isfinite(s * s) else (s, s)
+        # the neighbour softmax with its closed-form backward (as SupCon and NCA), relative to each row's largest
+        # logit (so the differences of huge logits stay exact)
+        lse, positives, pos = neighbour_softmax_terms(x, labels, None, labels, factors, clamp=False)
         valid = pos.any(dim=1)
         if not bool(valid.any()):
             return anchors.sum() * 0.0
-        x, scale = scaled_for_inner_products(anchors)
-        logits = x @ x.T
-        fill = ~valid[:, None]
-        others = pos | neg | fill
-        # shift each row by its largest logit before scaling back, in two exact steps of ``scale``
-        shift = logits.masked_fill(~others, -torch.inf).amax(dim=1, keepdim=True).detach()
-        diff = (logits - shift) * scale * scale
-        per_anchor = masked_lse(diff, others) - masked_lse(diff, pos | fill)
-        loss = torch.where(valid, per_anchor, 0.0).sum() / valid.sum()
+        log_p = neighbour_log_probability(lse, positives, pos, labels.numel())
+        loss = torch.where(valid, -log_p, 0.0).sum() / valid.sum()
         if self.l2_reg > 0:
             squared_norms = (x.pow(2).sum(dim=1) * valid).sum() / valid.sum()
             loss = loss + squared_norms * scale * scale * self.l2_reg
@@ -141,7 +145,7 @@ class NPairLoss(PairLoss):
             return anchors.sum() * 0.0
         n = a_idx.shape[0]
         both = anchors[torch.cat([a_idx, p_idx])]  # one gather (one scatter in the backward)
-        both, scale = scaled_for_inner_products(both)
+        both, scale, _ = scaled_for_inner_products(both)
         a, p = both[:n], both[n:]
         logits = a @ p.T
         loss = self._one_direction(logits, scale)

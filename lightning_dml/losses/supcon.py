@@ -7,6 +7,7 @@ from torch import Tensor
 
 from lightning_dml.losses.base import batch_normaliser, masked_lse
 from lightning_dml.losses.registry import register_loss
+from lightning_dml.losses.softmax_pairs import neighbour_softmax_terms
 from lightning_dml.losses.temperature import TemperaturePairLoss
 
 __all__ = ["SupConLoss"]
@@ -23,7 +24,8 @@ class SupConLoss(TemperaturePairLoss):
         L_i = \frac{-1}{|P(i)|} \sum_{p \in P(i)} \log \frac{e^{z_i \cdot z_p / \tau}}{\sum_{a \in A(i)} e^{z_i \cdot z_a / \tau}}
 
     averaged over the anchors with ``|P(i)| >= 1`` (Eq. 2 sums over anchors; the mean only rescales, and is what
-    the authors' code and pytorch-metric-learning do).
+    the authors' code and pytorch-metric-learning do). Computed from the denominators' log-sum-exp and the
+    positives' logits with a closed-form backward (:mod:`lightning_dml.losses.softmax_pairs`).
 
     Args:
         temperature: ``tau``. Default 0.1, the value the paper's text reports for its experiments (and
@@ -42,6 +44,21 @@ class SupConLoss(TemperaturePairLoss):
 
     def __init__(self, temperature: float = 0.1) -> None:
         super().__init__(temperature)
+
+    def _has_closed_form(self) -> bool:
+        return True
+
+    def compute(self, anchors: Tensor, labels: Tensor, gallery: Tensor | None, gallery_labels: Tensor) -> Tensor:
+        """Closed-form path (:func:`neighbour_softmax_terms`: the denominator's log-sum-exp and the positives'
+        logits, with a closed-form backward); ``closed_form=False``: :meth:`pair_loss` through autograd."""
+        if not self.closed_form:
+            return super().compute(anchors, labels, gallery, gallery_labels)
+        lse, positives, pos = neighbour_softmax_terms(anchors, labels, gallery, gallery_labels, 1.0 / self.temperature)
+        count = pos.sum(dim=1)
+        valid = count > 0
+        per_anchor = lse - torch.where(pos, positives, 0.0).sum(dim=1) / count.clamp(min=1)
+        total = torch.where(valid, per_anchor, 0.0).sum()
+        return total / batch_normaliser(valid.sum(), total)
 
     def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
         logits = sim / self.temperature
