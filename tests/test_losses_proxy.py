@@ -349,6 +349,31 @@ def test_fp32_inside_autocast(device):
     assert abs(float(value) - float(expected)) < 0.05 * abs(float(expected)) + 0.05
 
 
+@pytest.mark.parametrize("name", ["proxy_nca", "cosface", "subcenter_arcface", "soft_triple"])
+def test_closed_form_backward_under_autocast_frozen_proxies_and_retain_graph(name, device):
+    """The softmax family's closed-form backward (``ProxySoftmaxFunction``): fp32 inside autocast, gradients of
+    the embeddings alone with frozen proxies (equal to those with trainable ones), and a clear error for a second
+    backward through the same graph (the first one frees its buffers)."""
+    cls, kw, _, _ = CASES[name]
+    loss = cls(num_classes=C, embedding_dim=D, **kw).to(device)
+    z = torch.randn(16, D, device=device)
+    y = (torch.arange(16) % C).to(device)
+    with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+        value = loss(z.to(torch.bfloat16), y)
+    assert value.dtype == torch.float32
+    torch.testing.assert_close(value, loss(z.to(torch.bfloat16).float(), y))
+    trainable = z.clone().requires_grad_(True)
+    loss(trainable, y).backward()
+    loss.proxies.requires_grad_(False)
+    frozen = z.clone().requires_grad_(True)
+    loss(frozen, y).backward()
+    torch.testing.assert_close(frozen.grad, trainable.grad)
+    value = loss(z.clone().requires_grad_(True), y)
+    value.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward through the same proxy loss"):
+        value.backward()
+
+
 def test_device_matches_reference(device):
     cls, kw, reference, ref_kw = CASES["subcenter_arcface"]
     z, y, proxies = _trained_batch(8, cls(**kw))

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from lightning_dml.losses.proxies import ProxyLoss, margin_cross_entropy
+from lightning_dml.losses.proxies import ProxyLoss, proxy_softmax_loss
 from lightning_dml.losses.registry import register_loss
 
 __all__ = ["ArcFaceLoss", "additive_angular_margin"]
@@ -76,14 +76,10 @@ class ArcFaceLoss(ProxyLoss):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, scale={self.scale}, margin={self.margin}"
 
-    def class_cosines(self, cos: Tensor) -> Tensor:
-        """``B x num_classes`` cosines to the classes: to the nearest of a class's ``sub_centers`` weights."""
-        if self.proxies_per_class == 1:
-            return cos
-        # max (not amax): its backward scatters to the one arg-max instead of comparing the whole B x C x K block
-        return cos.view(cos.shape[0], self.num_classes, self.proxies_per_class).max(dim=2).values
+    def target_cosine(self, cos: Tensor) -> Tensor:
+        """The target logit's cosine ``cos(theta_y + m)`` (Eq. 3; :func:`additive_angular_margin`)."""
+        return additive_angular_margin(cos, self.margin)
 
-    def proxy_loss(self, cos: Tensor, labels: Tensor, proxies: Tensor) -> Tensor:
-        cos = self.class_cosines(cos)
-        target = cos.gather(1, labels[:, None]).squeeze(1)
-        return margin_cross_entropy(cos, labels, additive_angular_margin(target, self.margin), self.scale)
+    def proxy_loss(self, x: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
+        # the cosine to a class is the one to its nearest sub-centre (max pooling over proxies_per_class; 1 here)
+        return proxy_softmax_loss(x, proxies, labels, self.scale, self.target_cosine, per_class=self.proxies_per_class)

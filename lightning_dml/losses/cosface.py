@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from lightning_dml.losses.proxies import ProxyLoss, margin_cross_entropy
+from lightning_dml.losses.proxies import ProxyLoss, proxy_softmax_loss
 from lightning_dml.losses.registry import register_loss
 
 __all__ = ["CosFaceLoss"]
@@ -51,6 +51,9 @@ class CosFaceLoss(ProxyLoss):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, scale={self.scale}, margin={self.margin}"
 
-    def proxy_loss(self, cos: Tensor, labels: Tensor, proxies: Tensor) -> Tensor:
-        target = cos.gather(1, labels[:, None]).squeeze(1)
-        return margin_cross_entropy(cos, labels, target - self.margin, self.scale)
+    def target_cosine(self, cos: Tensor) -> Tensor:
+        """The target logit's cosine ``cos(theta_y) - m`` (Eq. 4)."""
+        return cos - self.margin
+
+    def proxy_loss(self, x: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
+        return proxy_softmax_loss(x, proxies, labels, self.scale, self.target_cosine)

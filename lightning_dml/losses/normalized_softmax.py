@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_dml.losses.proxies import ProxyLoss
+from lightning_dml.losses.proxies import ProxyLoss, proxy_softmax_loss
 from lightning_dml.losses.registry import register_loss
 
 __all__ = ["NormalizedSoftmaxLoss"]
@@ -38,5 +37,5 @@ class NormalizedSoftmaxLoss(ProxyLoss):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, temperature={self.temperature}"
 
-    def proxy_loss(self, cos: Tensor, labels: Tensor, proxies: Tensor) -> Tensor:
-        return F.cross_entropy(cos / self.temperature, labels)
+    def proxy_loss(self, x: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
+        return proxy_softmax_loss(x, proxies, labels, 1.0 / self.temperature)

@@ -10,13 +10,17 @@ them out (:meth:`ProxyLoss.complete`).
 
 from __future__ import annotations
 
+import math
+from typing import Callable
+
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from lightning_dml.losses.base import check_inputs, normalize_embeddings, upcast
+from lightning_dml.scaling import power_of_two_scale
 
-__all__ = ["ProxyLoss", "margin_cross_entropy"]
+__all__ = ["ProxyLoss", "ProxySoftmaxFunction", "proxy_softmax_loss"]
 
 
 def _check_size(value: int | None, name: str, owner: str, minimum: int) -> int | None:
@@ -27,24 +31,200 @@ def _check_size(value: int | None, name: str, owner: str, minimum: int) -> int |
     return int(value)
 
 
-def _normalize_proxies(proxies: Tensor) -> Tensor:
-    """Unit rows of the (``C K x D``, possibly large) proxy matrix: one norm pass when every row norm is finite
-    and not tiny (one host read of the check), else the scale-safe :func:`normalize_embeddings`."""
+def _proxy_norms(proxies: Tensor) -> Tensor | None:
+    """Row norms of the (``C K x D``, possibly large) proxy matrix when every one is finite and not tiny (one norm
+    pass and one host read of the check), else ``None``: the caller takes the scale-safe path."""
     norms = torch.linalg.vector_norm(proxies, dim=1, keepdim=True)
-    if bool(((norms > 1e-15) & torch.isfinite(norms)).all()):
-        return proxies / norms
-    return normalize_embeddings(proxies)
+    return norms if bool(((norms > 1e-15) & torch.isfinite(norms)).all()) else None
 
 
-def margin_cross_entropy(logits: Tensor, labels: Tensor, target_logits: Tensor, scale: float) -> Tensor:
-    """Mean cross-entropy of ``scale * logits`` with each row's target logit replaced by ``target_logits``.
+def _normalize_proxies(proxies: Tensor) -> Tensor:
+    """Unit rows of the proxies, differentiable by autograd: ``proxies / norms`` (:func:`_proxy_norms`), else the
+    scale-safe :func:`normalize_embeddings`."""
+    norms = _proxy_norms(proxies)
+    return normalize_embeddings(proxies) if norms is None else proxies / norms
 
-    The form shared by the normalised-softmax family (CosFace Eq. 4, ArcFace Eq. 3): ``logits`` are the ``B x C``
-    cosines, ``target_logits`` the ``B`` margin-modified target cosines.
+
+def _unit_rows(proxies: Tensor) -> tuple[Tensor, Tensor]:
+    """``(u, n)`` with ``u = proxies / n`` the unit rows and ``n`` the row norms, without autograd; the scale-safe
+    path of :func:`~lightning_dml.scaling.l2_normalize` where a norm overflows or is tiny (a zero row gives
+    ``u = 0`` and ``n = 1e-12``, as ``F.normalize``). The derivative of ``u`` is ``(g - u (g . u)) / n``."""
+    norms = _proxy_norms(proxies)
+    if norms is not None:
+        return proxies / norms, norms
+    scale = power_of_two_scale(proxies, dim=1)
+    unit = proxies / scale
+    norms = torch.linalg.vector_norm(unit, dim=1, keepdim=True).clamp_(min=1e-12)
+    return unit.div_(norms), norms.mul_(scale)
+
+
+class ProxySoftmaxFunction(torch.autograd.Function):
+    r"""Softmax cross-entropy over the classes, from the embeddings and the raw proxies, with a closed-form backward.
+
+    The loss shared by the normalised-softmax family (NormSoftmax, ProxyNCA / ProxyNCA++, CosFace Eq. 4, ArcFace
+    Eq. 3, sub-centre ArcFace, SoftTriple's margin softmax over its relaxed similarities):
+
+    .. math::
+        L = \frac{1}{B} \sum_i \Big(\log \sum_{c} e^{s\, S'_{i,c}} - s\, f(S_{i,y_i})\Big) + R(P),
+        \qquad S'_{i,c} = S_{i,c} \ (c \ne y_i), \quad S'_{i,y_i} = f(S_{i,y_i})
+
+    with ``S`` the ``B x C`` class similarities pooled from the ``B x (C K)`` cosines ``x P^T`` between the
+    (normalised) embeddings ``x`` and the unit rows ``P`` of the proxies (``K = 1``: the cosines; ``gamma=None``:
+    the largest of a class's ``K``, sub-centre ArcFace; else SoftTriple's relaxed similarity
+    ``sum_k softmax_k(S_{i,ck} / gamma) S_{i,ck}``), ``s`` the scale, ``f`` the target-logit function (margin;
+    identity when ``None``) and ``R`` an optional term of the unit proxies (SoftTriple's centre regulariser).
+    With ``exclude_target`` the target column is left out of the log-sum-exp (ProxyNCA's denominator over the
+    negative proxies).
+
+    ``dL/dS`` is ``s (p - 1_y) / B`` (``p`` the softmax; the target column times ``f'``). The forward keeps one
+    ``B x C`` buffer, the cosines turned into the softmax in place; the backward turns it into ``dL/dS`` in place,
+    forms ``G P`` and ``G^T x``, frees it, and projects the proxies' gradient onto the unit rows' tangent space in
+    place (the normalisation's backward): at most three ``B x C K`` / ``C K x D`` buffers at a time, where autograd
+    keeps the logits, the log-softmax, their gradients and the normalisation's temporaries. ``f'`` and ``dR/dP``
+    are taken by autograd on the ``B`` target similarities and on the unit proxies. Differentiable once: no double
+    backward, and a second backward through the same graph is an error.
     """
-    rows = torch.arange(labels.shape[0], device=labels.device)
-    logits = logits.index_put((rows, labels), target_logits)
-    return F.cross_entropy(scale * logits, labels)
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        x: Tensor,
+        proxies: Tensor,
+        labels: Tensor,
+        scale: float,
+        target_fn: Callable[[Tensor], Tensor] | None,
+        exclude_target: bool,
+        per_class: int,
+        gamma: float | None,
+        proxy_term: Callable[[Tensor], Tensor] | None,
+    ) -> Tensor:
+        batch = x.shape[0]
+        rows = torch.arange(batch, device=labels.device)
+        unit, norms = _unit_rows(proxies)
+        cos = x @ unit.T
+        pool: tuple[Tensor, ...] = ()
+        if per_class == 1:
+            sim = cos  # not needed later: becomes the softmax in place
+        elif gamma is None:  # nearest of the K sub-centres (the first on a tie); the backward routes to it
+            sim, arg = _nearest_center(cos.view(batch, -1, per_class))
+            pool = (arg,)
+        else:  # SoftTriple's relaxed similarity; the cosines are kept, the centre weights recomputed backward
+            weights = _center_weights(cos.view(batch, -1, per_class), gamma)
+            sim = weights.mul_(cos.view_as(weights)).sum(dim=2)
+            del weights
+            pool = (cos, sim.clone())
+        del cos
+        target = sim[rows, labels]
+        if target_fn is None:
+            target_logit, slope = target, None
+        else:  # f and f' on the B target similarities
+            with torch.enable_grad():
+                leaf = target.detach().requires_grad_(True)
+                out = target_fn(leaf)
+                (slope,) = torch.autograd.grad(out, leaf, torch.ones_like(out))
+            target_logit = out.detach()
+        logits = sim.mul_(scale)
+        fill = torch.full_like(target, -math.inf) if exclude_target else scale * target_logit
+        logits.index_put_((rows, labels), fill)
+        top = logits.amax(dim=1, keepdim=True)
+        probs = logits.sub_(top).exp_()
+        total = probs.sum(dim=1, keepdim=True)
+        probs.div_(total)
+        loss = (top.squeeze(1) + torch.log(total.squeeze(1)) - scale * target_logit).mean()
+        if proxy_term is not None:
+            loss = loss + proxy_term(unit)
+        ctx.save_for_backward(x, labels)
+        # the intermediates are held on ctx (not as saved tensors) so that the backward can free them as it goes
+        ctx.buffers = (probs, slope, unit, norms, pool)
+        ctx.scale, ctx.per_class, ctx.gamma, ctx.proxy_term = scale, per_class, gamma, proxy_term
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        if ctx.buffers is None:
+            raise RuntimeError(
+                "ProxySoftmaxFunction: a second backward through the same proxy loss (retain_graph) is not "
+                "supported: the first backward frees its buffers; compute the loss again"
+            )
+        x, labels = ctx.saved_tensors
+        grad, slope, unit, norms, pool = ctx.buffers
+        ctx.buffers = None
+        batch = x.shape[0]
+        rows = torch.arange(batch, device=labels.device)
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            # the softmax turns into dL/dS in place
+            target_grad = grad[rows, labels] - 1.0
+            grad.index_put_((rows, labels), target_grad if slope is None else target_grad * slope)
+            grad.mul_(grad_out * (ctx.scale / batch))
+            if ctx.per_class > 1 and ctx.gamma is None:
+                (arg,) = pool
+                spread = grad.new_empty(batch, grad.shape[1], ctx.per_class)
+                for k in range(ctx.per_class):
+                    spread[..., k].copy_(grad).masked_fill_(arg != k, 0.0)
+                del arg
+                grad = spread.view(batch, -1)
+            elif ctx.per_class > 1:
+                # dS'_c / dS_ck = q_k (1 + (S_ck - S'_c) / gamma), q the centre weights: in place on the cosines
+                cos, relaxed = pool
+                cos3 = cos.view(batch, -1, ctx.per_class)
+                weights = _center_weights(cos3, ctx.gamma).mul_(grad[..., None])
+                inv = 1.0 / ctx.gamma
+                grad = cos3.mul_(inv).add_((1.0 - inv * relaxed)[..., None]).mul_(weights).view(batch, -1)
+                del weights, cos, cos3
+            del pool
+            grad_x = grad @ unit if ctx.needs_input_grad[0] else None
+            if not ctx.needs_input_grad[1]:
+                return grad_x, None, None, None, None, None, None, None, None
+            grad_p = grad.T @ x
+            del grad
+            if ctx.proxy_term is not None:
+                with torch.enable_grad():
+                    leaf = unit.detach().requires_grad_(True)
+                    (term_grad,) = torch.autograd.grad(ctx.proxy_term(leaf), leaf)
+                grad_p.add_(term_grad.mul_(grad_out))
+                del term_grad
+            # the normalisation's backward, in place: (g - u (g . u)) / n
+            along = torch.einsum("cd,cd->c", grad_p, unit)
+            grad_p.addcmul_(unit, along[:, None], value=-1.0).div_(norms)
+        return grad_x, grad_p, None, None, None, None, None, None, None
+
+
+def _nearest_center(cos: Tensor) -> tuple[Tensor, Tensor]:
+    """Largest of the last dimension of ``B x C x K`` cosines and its index (the first on a tie; ``uint8`` for
+    ``K <= 255``): ``K - 1`` passes over ``B x C`` slices instead of ``max(dim=2)``'s ``int64`` indices, a
+    ``B x C`` buffer 8 times the size of the ``uint8`` one."""
+    best = cos[..., 0].clone()
+    arg = torch.zeros(best.shape, dtype=torch.uint8 if cos.shape[2] <= 255 else torch.int64, device=cos.device)
+    for k in range(1, cos.shape[2]):
+        arg.masked_fill_(cos[..., k] > best, k)
+        torch.maximum(best, cos[..., k], out=best)
+    return best, arg
+
+
+def _center_weights(cos: Tensor, gamma: float) -> Tensor:
+    """``softmax_k(S_{i,ck} / gamma)`` over the last dimension of ``B x C x K`` cosines, in one new buffer."""
+    weights = torch.sub(cos, cos.amax(dim=2, keepdim=True)).mul_(1.0 / gamma).exp_()
+    return weights.div_(weights.sum(dim=2, keepdim=True))
+
+
+def proxy_softmax_loss(
+    x: Tensor,
+    proxies: Tensor,
+    labels: Tensor,
+    scale: float,
+    target_fn: Callable[[Tensor], Tensor] | None = None,
+    exclude_target: bool = False,
+    per_class: int = 1,
+    gamma: float | None = None,
+    proxy_term: Callable[[Tensor], Tensor] | None = None,
+) -> Tensor:
+    """Mean softmax cross-entropy of ``scale`` times the class similarities of the normalised embeddings ``x`` to
+    the unit rows of the raw ``proxies`` (:class:`ProxySoftmaxFunction`: target logit
+    ``scale * target_fn(S_{i,y_i})``, target column left out of the denominator with ``exclude_target``,
+    ``per_class`` proxies per class pooled by their maximum (``gamma=None``) or SoftTriple's softmax with
+    temperature ``gamma``), plus ``proxy_term`` of the unit proxies."""
+    return ProxySoftmaxFunction.apply(x, proxies, labels, scale, target_fn, exclude_target, per_class, gamma, proxy_term)
 
 
 class ProxyLoss(nn.Module):
@@ -58,7 +238,7 @@ class ProxyLoss(nn.Module):
     :meth:`complete` (``DMLModule`` calls it in ``setup("fit")`` with the data module's number of training classes
     and the head's output width), or by loading a state dict that holds them. Calling an incomplete loss is an error.
 
-    Subclasses implement :meth:`proxy_loss` (cosine matrix, labels -> scalar) and may override
+    Subclasses implement :meth:`proxy_loss` (normalised embeddings, raw proxies, labels -> scalar) and may override
     :meth:`reset_parameters` (the initialisation of their paper's code) and :attr:`proxies_per_class`.
     """
 
@@ -165,15 +345,15 @@ class ProxyLoss(nn.Module):
             )
         with torch.autocast(device_type=embeddings.device.type, enabled=False):
             x = normalize_embeddings(embeddings)
-            proxies = _normalize_proxies(self.proxies.to(x.dtype))
-            # the cosines are not clamped to [-1, 1]: no loss here needs it (ArcFace bounds its own sin), and it
-            # would cost two passes over the B x (C K) matrix
-            loss = self.proxy_loss(x @ proxies.T, labels, proxies)
+            loss = self.proxy_loss(x, self.proxies.to(x.dtype), labels)
         return upcast(loss)
 
-    def proxy_loss(self, cos: Tensor, labels: Tensor, proxies: Tensor) -> Tensor:
-        """Scalar loss from the ``B x (num_classes * proxies_per_class)`` cosines (column ``c K + k``: proxy ``k`` of
-        class ``c``) and the normalised proxies."""
+    def proxy_loss(self, x: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
+        """Scalar loss from the normalised embeddings ``x [B, D]`` and the raw proxies
+        ``[num_classes * proxies_per_class, D]`` (row ``c K + k``: proxy ``k`` of class ``c``; in ``x``'s dtype),
+        which the loss L2-normalises itself (:func:`proxy_softmax_loss` does it with a fused backward). The cosines
+        are not clamped to ``[-1, 1]``: no loss here needs it (ArcFace bounds its own sin), and it would cost two
+        passes over the ``B x (C K)`` matrix."""
         raise NotImplementedError
 
 

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_dml.losses.base import masked_lse, squared_distance_from_similarity
-from lightning_dml.losses.proxies import ProxyLoss
+from lightning_dml.losses.proxies import ProxyLoss, proxy_softmax_loss
 from lightning_dml.losses.registry import register_loss
 
 __all__ = ["ProxyNCALoss"]
@@ -65,10 +63,6 @@ class ProxyNCALoss(ProxyLoss):
             f"{super().extra_repr()}, temperature={self.temperature}, exclude_positive={self.exclude_positive}"
         )
 
-    def proxy_loss(self, cos: Tensor, labels: Tensor, proxies: Tensor) -> Tensor:
-        logits = -squared_distance_from_similarity(cos) / self.temperature
-        if not self.exclude_positive:
-            return F.cross_entropy(logits, labels)
-        pos = F.one_hot(labels, self.num_classes).bool()
-        target = logits.gather(1, labels[:, None]).squeeze(1)
-        return (masked_lse(logits, ~pos) - target).mean()
+    def proxy_loss(self, x: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
+        # -d(x, p) / T = (2 cos - 2) / T: the constant -2 / T shifts every logit of a row alike and cancels
+        return proxy_softmax_loss(x, proxies, labels, 2.0 / self.temperature, exclude_target=self.exclude_positive)

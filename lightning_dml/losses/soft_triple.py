@@ -5,11 +5,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_dml.losses.base import distance_from_similarity
-from lightning_dml.losses.proxies import ProxyLoss, margin_cross_entropy
+from lightning_dml.losses.proxies import ProxyLoss, proxy_softmax_loss
 from lightning_dml.losses.registry import register_loss
 
 __all__ = ["SoftTripleLoss"]
@@ -75,15 +74,23 @@ class SoftTripleLoss(ProxyLoss):
             f"tau={self.tau}, margin={self.margin}"
         )
 
-    def proxy_loss(self, cos: Tensor, labels: Tensor, proxies: Tensor) -> Tensor:
+    def target_similarity(self, relaxed: Tensor) -> Tensor:
+        """The target logit's relaxed similarity ``S'_{i,y_i} - delta``."""
+        return relaxed - self.margin
+
+    def center_regularizer(self, centers: Tensor) -> Tensor:
+        """``tau * sum_c sum_{t<s} ||w_c^t - w_c^s||_2 / (C K (K - 1))`` of the unit centres ``[C K, D]``."""
         C, K = self.num_classes, self.proxies_per_class
-        sim = cos.view(cos.shape[0], C, K)
-        relaxed = (F.softmax(sim / self.gamma, dim=2) * sim).sum(dim=2)  # S'_{i,c}
-        target = relaxed.gather(1, labels[:, None]).squeeze(1)
-        loss = margin_cross_entropy(relaxed, labels, target - self.margin, self.la)
-        if self.tau > 0 and K > 1:
-            centers = proxies.view(C, K, -1)
-            dist = distance_from_similarity(torch.bmm(centers, centers.transpose(1, 2)).clamp(-1.0, 1.0))
-            upper = torch.triu(torch.ones(K, K, dtype=torch.bool, device=cos.device), diagonal=1)
-            loss = loss + self.tau * dist[:, upper].sum() / (C * K * (K - 1))
-        return loss
+        centers = centers.view(C, K, -1)
+        dist = distance_from_similarity(torch.bmm(centers, centers.transpose(1, 2)).clamp(-1.0, 1.0))
+        upper = torch.triu(torch.ones(K, K, dtype=torch.bool, device=centers.device), diagonal=1)
+        return self.tau * dist[:, upper].sum() / (C * K * (K - 1))
+
+    def proxy_loss(self, x: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
+        K = self.proxies_per_class
+        # the softmax over the classes of la * S'_{i,c}, S' pooled from the K centres, and the regulariser of the
+        # unit centres, in one closed-form backward
+        regularizer = self.center_regularizer if self.tau > 0 and K > 1 else None
+        return proxy_softmax_loss(
+            x, proxies, labels, self.la, self.target_similarity, per_class=K, gamma=self.gamma, proxy_term=regularizer
+        )
