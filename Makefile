@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 export WANDB_MODE ?= offline
 export WANDB_SILENT ?= true
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo test test-fast bench compare clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/losses.py
 	$(PY) bench/evaluation.py
+
+## The worked comparison of losses on Glyphs (docs/protocol.md): sweep + cv of each loss with one budget, one table
+## in logs/compare/comparison.md; about 25 minutes on the 2-core CPU. Rerunning resumes.
+compare: $(STAMP)
+	OMP_NUM_THREADS=2 $(PY) bench/protocol_comparison.py --out logs/compare
 
 clean:
 	rm -rf $(VENV) logs lightning_logs wandb *.egg-info .pytest_cache
