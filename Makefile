@@ -37,7 +37,7 @@ bench: $(STAMP)
 	$(PY) bench/evaluation.py
 
 ## The worked comparison of losses on Glyphs (docs/protocol.md): sweep + cv of each loss with one budget, one table
-## in logs/compare/comparison.md; estimated 20-25 minutes on a quiet 2-core CPU (53 min measured under load). Rerunning resumes.
+## in logs/compare/comparison.md; 9 minutes on the quiet 2-core CPU (docs/protocol.md). Rerunning resumes.
 compare: $(STAMP)
 	OMP_NUM_THREADS=2 $(PY) bench/protocol_comparison.py --out logs/compare
 
