@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 from lightning_dml.losses.base import check_inputs, normalize_embeddings, upcast
 from lightning_dml.scaling import power_of_two_scale
 
-__all__ = ["ProxyLoss", "ProxySoftmaxFunction", "proxy_softmax_loss"]
+__all__ = ["ProxyLoss", "ProxySoftmaxFunction", "normalize_proxies", "proxy_softmax_loss"]
 
 
 def _check_size(value: int | None, name: str, owner: str, minimum: int) -> int | None:
@@ -38,7 +38,7 @@ def _proxy_norms(proxies: Tensor) -> Tensor | None:
     return norms if bool(((norms > 1e-15) & torch.isfinite(norms)).all()) else None
 
 
-def _normalize_proxies(proxies: Tensor) -> Tensor:
+def normalize_proxies(proxies: Tensor) -> Tensor:
     """Unit rows of the proxies, differentiable by autograd: ``proxies / norms`` (:func:`_proxy_norms`), else the
     scale-safe :func:`normalize_embeddings`."""
     norms = _proxy_norms(proxies)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_dml.losses.proxies import ProxyLoss, _normalize_proxies
+from lightning_dml.losses.proxies import ProxyLoss, normalize_proxies
 from lightning_dml.losses.registry import register_loss
 
 __all__ = ["ProxyAnchorLoss"]
@@ -66,7 +66,7 @@ class ProxyAnchorLoss(ProxyLoss):
 
     def proxy_loss(self, x: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
         C = self.num_classes
-        cos = x @ _normalize_proxies(proxies).T
+        cos = x @ normalize_proxies(proxies).T
         rows = torch.arange(labels.shape[0], device=labels.device)
         # positive term: only the B (embedding, own proxy) pairs, summed per class with a per-class max shift
         # (clamped at 0, so exp(-shift) <= 1): log(1 + sum e^v) = shift + log(e^-shift + sum e^(v - shift))
