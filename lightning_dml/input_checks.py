@@ -25,10 +25,6 @@ def _prefix(where: str | None) -> str:
     return f"{where}: " if where else ""
 
 
-def _shape(x: object) -> object:
-    return tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
-
-
 def is_integer_tensor(t: Tensor) -> bool:
     """True for integer dtypes (class ids); False for floating point, complex and bool."""
     return not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)
@@ -89,8 +85,14 @@ def check_per_row(
     """``t`` must be a 1-D tensor with one entry per row of ``of`` (``length`` rows) and dtype ``kind``
     (``"integer"`` or ``"bool"``)."""
     p = _prefix(where)
-    if not isinstance(t, Tensor) or t.ndim != 1:
-        raise ValueError(f"{p}{name} must be a 1-D tensor with one entry per row of {of}, got shape {_shape(t)}")
+    if not isinstance(t, Tensor):
+        kind_of = f"{type(t).__module__}.{type(t).__name__}" if type(t).__module__ != "builtins" else type(t).__name__
+        raise ValueError(
+            f"{p}{name} must be a 1-D torch.Tensor with one entry per row of {of}, got a {kind_of} "
+            "(convert it with torch.as_tensor)"
+        )
+    if t.ndim != 1:
+        raise ValueError(f"{p}{name} must be a 1-D tensor with one entry per row of {of}, got shape {tuple(t.shape)}")
     if t.shape[0] != length:
         raise ValueError(f"{p}{name} has {t.shape[0]} entries but {of} has {length} rows")
     if kind == "integer":

@@ -10,9 +10,9 @@ import torch
 from lightning_dml.metrics import RetrievalMetrics
 from lightning_dml.metrics import functional as F
 from lightning_dml.metrics._candidates import concat_results, merge_states
-from lightning_dml.metrics._device import bf16_matmul_is_fast
+from lightning_dml.metrics._device import cpu_has_native_bf16
 from lightning_dml.metrics._precision import Scorer, tree_sum
-from lightning_dml.metrics import _scan
+from lightning_dml.metrics import _candidates, _scan
 from lightning_dml.metrics._scan import scan_symmetric
 from tests.metrics_reference import brute_metrics, brute_rankings, brute_scores
 
@@ -296,9 +296,44 @@ def test_metric_class_batches_duplicates_and_order(device: torch.device) -> None
 def test_recall_k_larger_than_gallery_and_lone_queries() -> None:
     x = torch.randn(6, 4)
     y = torch.tensor([0, 0, 1, 2, 3, 4])
-    out = F.retrieval_metrics(x, y, recall_at=(1, 5, 100))
+    with pytest.warns(UserWarning, match=r"recall_at \[100\] exceed\(s\) the 5 gallery items"):
+        out = F.retrieval_metrics(x, y, recall_at=(1, 5, 100))
     assert out["recall@100"] == pytest.approx(2 / 6)  # only the two class-0 queries have a positive
     assert out["recall@5"] == pytest.approx(2 / 6)
+
+
+def test_recall_k_beyond_the_gallery_warns_once() -> None:
+    """A K larger than the items a query is ranked against: one warning per place, not one per evaluation."""
+    import warnings
+
+    x, y = torch.randn(8, 4), torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+    qm = torch.tensor([True, False] * 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            m = RetrievalMetrics(recall_at=(1, 4, 8), clustering=False)
+            m.update(x, y, query_mask=qm, gallery_mask=~qm)  # 4 gallery items
+            m.compute()
+    texts = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    assert texts == ["recall_at [8] exceed(s) the 4 gallery items a query is ranked against: Recall@K for those K "
+                     "equals Recall@4"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        F.retrieval_metrics(x, y, recall_at=(1, 4), query_mask=qm, gallery_mask=~qm)  # K = gallery size: no warning
+
+
+def test_labels_of_another_type_are_named() -> None:
+    """numpy or list labels: the message names the type (it used to print "got shape ndarray")."""
+    import numpy as np
+
+    m = RetrievalMetrics(clustering=False)
+    with pytest.raises(ValueError, match=r"labels must be a 1-D torch.Tensor .* got a numpy.ndarray \(convert it "):
+        m.update(torch.randn(4, 3), np.array([0, 0, 1, 1]))
+    with pytest.raises(ValueError, match=r"labels must be a 1-D torch.Tensor .* got a list"):
+        m.update(torch.randn(4, 3), [0, 0, 1, 1])
+    with pytest.raises(ValueError, match=r"query_mask must be a 1-D torch.Tensor .* got a list"):
+        F.retrieval_metrics(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]), query_mask=[True] * 4,
+                            gallery_mask=torch.ones(4, dtype=torch.bool))
 
 
 def test_input_validation() -> None:
@@ -361,8 +396,55 @@ def test_tree_sum_is_batch_independent() -> None:
     assert torch.allclose(full, t.sum(dim=1))
 
 
-def test_bf16_runtime_check_is_bool() -> None:
-    assert isinstance(bf16_matmul_is_fast(), bool)
+def test_bf16_feature_test_reads_the_cpu_flags_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """"auto" on the CPU is a property of the machine (its feature flags), never a timing (issue 19)."""
+    from lightning_dml.metrics import _device
+
+    assert isinstance(cpu_has_native_bf16(), bool)
+    for flags, expected in ((frozenset({"avx2", "avx512f"}), False), (frozenset({"avx512_bf16"}), True),
+                            (frozenset({"amx_bf16", "amx_tile"}), True), (frozenset(), False)):
+        monkeypatch.setattr(_device, "_cpu_flags", lambda f=flags: f)
+        _device.cpu_has_native_bf16.cache_clear()
+        try:
+            assert _device.cpu_has_native_bf16() is (expected and torch.backends.mkldnn.is_available())
+            assert _device.resolve_precision("auto", "cpu") == ("bf16" if _device.cpu_has_native_bf16() else "fp32")
+        finally:
+            _device.cpu_has_native_bf16.cache_clear()
+
+
+def test_count_true_with_more_than_2047_true_entries_in_one_row() -> None:
+    """A window with >= 2,048 true entries for one query: each byte lane of the word-wise count must stop at 255.
+
+    N = 3,000 points in 2-D (cosine): rows 0-2047 at (1, u), the rest at (-1, u), u ~ U(-0.1, 0.1), all labels
+    distinct but one pair, (1, 0) (row 0) and (-1, 0.3) (row 2048). The best positive of row 0 has exactly 2,047
+    items ahead of it (the other rows near (1, 0)): Recall@2047 misses, Recall@2048 hits.
+    """
+    g = torch.Generator().manual_seed(0)
+    n = 3000
+    u = torch.rand(n, generator=g) * 0.2 - 0.1
+    x = torch.stack([torch.where(torch.arange(n) < 2048, 1.0, -1.0), u], dim=1)
+    x[0] = torch.tensor([1.0, 0.0])
+    x[2048] = torch.tensor([-1.0, 0.3])
+    y = torch.arange(n)
+    y[2048] = 0
+    # the counting primitive itself, on a window with every entry true and on a random one
+    for m in (torch.ones(4, 4096, dtype=torch.bool), torch.rand(8, 4096, generator=g) < 0.9):
+        assert torch.equal(_candidates.count_true(m, 1), m.sum(1, dtype=torch.int32))
+        assert torch.equal(_candidates.count_true(m.T.contiguous(), 0), m.sum(1, dtype=torch.int32))
+    ks = (1, 1000, 2047, 2048, 2500)
+    stats = F.retrieval_stats(x, y, rank_ks=ks, k=1, precision="fp32")
+    x64 = x.double()  # the pair's exact ranks, from a float64 brute force with the tie rule
+    cos = (x64[[0, 2048]] @ x64.T) / (x64[[0, 2048]].norm(dim=1, keepdim=True) * x64.norm(dim=1))
+    expect = []
+    for row, q, p in ((cos[0], 0, 2048), (cos[1], 2048, 0)):
+        ahead = (row > row[p]) | ((row == row[p]) & (torch.arange(n) < p))
+        ahead[q] = False
+        expect.append(int(ahead.sum()))
+    assert expect[0] == 2047
+    assert stats.first_positive_rank[[0, 2048]].tolist() == expect
+    got = F.retrieval_metrics(x, y, recall_at=ks, map_at_r=False, precision="fp32")
+    for k in ks:
+        assert got[f"recall@{k}"] == sum(r < k for r in expect) / n, k
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -15,3 +15,21 @@ def test_ddp_processes_equal_single_process(world: int) -> None:
     proc = subprocess.run([sys.executable, SCRIPT, str(world)], capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "DDP-METRICS-OK" in proc.stdout
+
+
+@pytest.mark.slow
+def test_ddp_disagreeing_precisions_are_rejected_on_every_rank() -> None:
+    """Rank 0 asks for bf16, ranks 1-2 for fp32: one clear ValueError on every rank, never a mixed search."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, SCRIPT, "3", "mixed"], capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("DDP-PRECISION-REJECTED") == 3, proc.stdout
+
+
+@pytest.mark.slow
+def test_ddp_auto_precision_agreed_when_one_rank_probes_differently() -> None:
+    """"auto" with a feature test that answers bf16 on rank 0 only: all ranks use fp32, figures equal one process."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, SCRIPT, "3", "auto-probe"], capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "DDP-METRICS-OK" in proc.stdout

@@ -72,6 +72,36 @@ def test_error_bound_holds_on_adversarial_near_ties(metric: str, precision: str)
         assert float(err.max()) > float(w.max()) * 1e-3
 
 
+def _normalisation_rounding_worst(n: int = 400, pool: int = 100_000, seed: int = 0) -> torch.Tensor:
+    """2-D vectors near 45 degrees, norms over orders of magnitude, chosen among ``pool`` for the largest rounding of
+    their normalised coordinates along themselves: the error of the normalisation then adds up in every product."""
+    g = torch.Generator().manual_seed(seed)
+    theta = math.pi / 4 + torch.rand(pool, generator=g) * 1e-3
+    x = torch.stack([theta.cos(), theta.sin()], 1) * torch.exp(3 * torch.randn(pool, 1, generator=g))
+    x64 = x.double()
+    unit = x64 / x64.norm(dim=1, keepdim=True)
+    along = (unit.float().double() * unit).sum(dim=1) - 1  # relative rounding of the normalised vector along itself
+    return x[torch.argsort(along, descending=True)[:n]]
+
+
+@pytest.mark.parametrize("metric", ["cosine", "euclidean"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_error_bound_holds_in_two_dimensions_with_norms_over_orders_of_magnitude(metric: str, precision: str) -> None:
+    """D = 2 with norms spread over orders of magnitude: the accumulation term of the bound is tiny, so the rounding
+    of the normalised vectors (the ``2 eta`` of the cosine bound) is a large part of the real error. On the chosen
+    worst vectors the fp32 error exceeds the bound without that term by about 15%."""
+    g = torch.Generator().manual_seed(0)
+    for x in (torch.randn(1500, 2, generator=g) * torch.exp(3 * torch.randn(1500, 1, generator=g)),
+              _normalisation_rounding_worst()):
+        items = torch.arange(x.shape[0])
+        sc = Scorer(x, metric, precision)
+        err = (sc.approx(items, items).double() - brute_scores(x, metric) * sc.score_scale).abs()
+        w = sc.error_bound(items, items).unsqueeze(1)
+        assert bool((err <= w).all()), float((err / w).max())
+    if metric == "cosine" and precision == "fp32":  # the bound is tight to a small factor on the worst vectors
+        assert float((err / w).max()) > 0.5
+
+
 def _truncating_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a @ b.T with float32 additions rounded towards zero (the worst a tensor core's accumulator may do)."""
     prod = a.double().unsqueeze(1) * b.double().unsqueeze(0)  # exact: TF32 x TF32 fits float64
@@ -149,13 +179,14 @@ def test_matmul_mode_pins_and_restores() -> None:
 
 
 def test_auto_precision_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """"auto": TF32 on CUDA GPUs with TF32 tensor cores (capability >= 8.0), else fp32; CPU: bf16 only if fast."""
-    from lightning_dml.metrics._device import bf16_matmul_is_fast, resolve_precision
+    """"auto": TF32 on CUDA GPUs with TF32 tensor cores (capability >= 8.0), else fp32; CPU: bf16 only with native
+    bf16 matrix units (a feature test, never a timing)."""
+    from lightning_dml.metrics._device import cpu_has_native_bf16, resolve_precision
 
     for capability, expected in (((8, 0), "tf32"), ((9, 0), "tf32"), ((7, 5), "fp32")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert resolve_precision("auto", "cuda") == expected
-    assert resolve_precision("auto", "cpu") == ("bf16" if bf16_matmul_is_fast() else "fp32")
+    assert resolve_precision("auto", "cpu") == ("bf16" if cpu_has_native_bf16() else "fp32")
     assert resolve_precision("bf16", "cuda") == "bf16"
     with pytest.raises(ValueError, match="precision must be one of"):
         resolve_precision("fp16")

@@ -17,15 +17,55 @@ import torch
 
 from lightning_dml.distributed import all_gather_uneven, get_rank, get_world_size
 from lightning_dml.metrics._candidates import SearchResult, concat_results, merge_states
-from lightning_dml.metrics._device import _Threads
+from lightning_dml.metrics._device import PRECISIONS, _Threads
 from lightning_dml.metrics._scan import scan_symmetric
 from lightning_dml.metrics._search import ExactSearch
 
 
-def common_min(values: tuple[int, ...], device: torch.device, group: Any = None) -> tuple[int, ...]:
-    """The element-wise minimum of integer tuples over all processes (e.g. tile sizes sized per device)."""
-    (parts,) = all_gather_uneven(torch.tensor([values], dtype=torch.long, device=device), group=group)
-    return tuple(int(v) for v in torch.cat(parts).min(dim=0).values.tolist())
+#: codes of the precisions in the settings gathered by :func:`agree_search_settings`, most precise first
+_PRECISION_CODES = ("fp32", "tf32", "bf16")
+_METRIC_CODES = ("cosine", "euclidean")
+
+
+def agree_search_settings(
+    requested: str,
+    resolved: str,
+    metric: str,
+    tiles: tuple[int, int],
+    shape: tuple[int, int],
+    device: torch.device,
+    group: Any = None,
+) -> tuple[str, tuple[int, int]]:
+    """One precision and one tile grid for every process, agreed collectively before the search.
+
+    Every process passes its own settings (one all-gather of a few integers):
+
+    * ``requested`` (the user's ``precision``), ``metric`` and ``shape`` (``(N, D)`` of the evaluated set) must be
+      the same on every process, else ``ValueError`` naming each rank's value on every rank (all of them raise: no
+      process waits for the others in a collective);
+    * ``resolved`` (what ``"auto"`` became on this process's device) may differ between processes (different
+      GPUs, CPUs): the most precise one wins (fp32 over TF32 over bf16), so no process computes in a precision
+      some other process did not choose;
+    * ``tiles`` (query block, gallery chunk), sized per device: the element-wise minimum.
+
+    Returns ``(precision, tiles)``, identical on every process.
+    """
+    codes = PRECISIONS.index(requested), _PRECISION_CODES.index(resolved), _METRIC_CODES.index(metric)
+    row = torch.tensor([[*codes, *tiles, *shape]], dtype=torch.long, device=device)
+    (parts,) = all_gather_uneven(row, group=group)
+    table = torch.cat(parts).tolist()
+    for column, name, names in ((0, "precision", PRECISIONS), (2, "metric", _METRIC_CODES)):
+        values = [r[column] for r in table]
+        if len(set(values)) > 1:
+            per_rank = ", ".join(f"rank {i}: {names[v]!r}" for i, v in enumerate(values))
+            raise ValueError(f"distributed retrieval: the processes were given different {name} ({per_rank}); "
+                             f"give every process the same {name}")
+    shapes = [tuple(r[5:7]) for r in table]
+    if len(set(shapes)) > 1:
+        per_rank = ", ".join(f"rank {i}: {s[0]} x {s[1]}" for i, s in enumerate(shapes))
+        raise ValueError(f"distributed retrieval: every process must pass the same evaluated set, got {per_rank}")
+    precision = _PRECISION_CODES[min(r[1] for r in table)]
+    return precision, (min(r[3] for r in table), min(r[4] for r in table))
 
 
 def run_distributed(

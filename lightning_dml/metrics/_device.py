@@ -1,7 +1,7 @@
-"""Where and how the search computes: precision choice per device, the CPU bf16 probe, thread control, tile sizes.
+"""Where and how the search computes: precision choice per device, the CPU bf16 feature test, thread control, tiles.
 
 * :func:`resolve_precision`: what ``precision="auto"`` means on a device (see ``docs/metrics.md``).
-* :func:`bf16_matmul_is_fast`: runtime probe of the CPU's bf16 matrix units.
+* :func:`cpu_has_native_bf16`: deterministic feature test of the CPU's bf16 matrix units.
 * :class:`_Threads`: run a section with a given number of intra-op CPU threads.
 * :func:`tile_sizes`: query-block and gallery-chunk sizes from the free memory of the device (or explicit sizes).
 """
@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 
 import torch
-from torch import Tensor
 
 PRECISIONS = ("auto", "fp32", "tf32", "bf16")
 
@@ -28,41 +26,44 @@ TILE_ENTRY_BYTES = 16
 GPU_TILE_MEMORY_CAP = 4 * 2**30
 
 
-@functools.lru_cache(maxsize=1)
-def bf16_matmul_is_fast() -> bool:
-    """Runtime check: does this CPU multiply bfloat16 matrices clearly faster than float32?
+#: CPU feature flags (as Linux reports them in ``/proc/cpuinfo``) of native bf16 matrix arithmetic: AVX512-BF16
+#: (``vdpbf16ps``) and AMX-BF16 tiles, which oneDNN uses for bf16 products
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
-    True only when oneDNN reports native bf16 support (AVX512-BF16 / AMX) *and* a small timed product runs
-    at least 1.5x faster in bf16 than in fp32. Without native support torch emulates bf16 and is several
-    times slower than fp32, so the search falls back to float32.
-    """
+
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where the file does not exist: not Linux)."""
     try:
-        if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return False
-    except (AttributeError, RuntimeError):
-        return False
-    a = torch.randn(1024, 256)
-    b = torch.randn(2048, 256)
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                if line.startswith("flags"):
+                    return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
 
-    def _time(x: Tensor, y: Tensor) -> float:
-        x @ y.T
-        best = math.inf
-        for _ in range(3):
-            t0 = time.perf_counter()
-            x @ y.T
-            best = min(best, time.perf_counter() - t0)
-        return best
 
-    return _time(a.bfloat16(), b.bfloat16()) * 1.5 < _time(a, b)
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16() -> bool:
+    """Deterministic feature test: does this CPU multiply bfloat16 matrices natively (AVX512-BF16 or AMX-BF16)?
+
+    True when oneDNN (``torch.backends.mkldnn``) is available and the CPU reports one of
+    :data:`NATIVE_BF16_FLAGS`. A property of the machine alone, never a timing, so every process on the same
+    kind of CPU answers alike whatever the load; without native support torch emulates bf16, several times slower
+    than float32. Where the flags cannot be read (not Linux) the answer is False (the search uses float32).
+    """
+    return bool(torch.backends.mkldnn.is_available() and NATIVE_BF16_FLAGS & _cpu_flags())
 
 
 def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str:
     """The precision of the approximate pass on ``device``: ``"fp32"``, ``"tf32"`` or ``"bf16"``.
 
-    ``"auto"``: on CUDA ``"tf32"`` where the GPU has TF32 tensor cores (compute capability >= 8.0), else
-    ``"fp32"``; on the CPU ``"bf16"`` when :func:`bf16_matmul_is_fast`, else ``"fp32"``. An explicit choice is
-    honoured on every device (``"tf32"`` on the CPU rounds the inputs to TF32 and multiplies in float32: the
-    emulation the tests use).
+    ``"auto"`` is decided from the device's properties alone (never a timing, a load or free memory): on CUDA
+    ``"tf32"`` where the GPU has TF32 tensor cores (compute capability >= 8.0), else ``"fp32"``; on the CPU
+    ``"bf16"`` when :func:`cpu_has_native_bf16`, else ``"fp32"``. An explicit choice is honoured on every device
+    (``"tf32"`` on the CPU rounds the inputs to TF32 and multiplies in float32: the emulation the tests use).
+    Under DDP the processes agree on one precision before the search
+    (:func:`lightning_dml.metrics._ddp.agree_search_settings`). Results are exact whatever the precision.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -72,7 +73,7 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
     if device.type == "cuda":
         return "tf32" if torch.cuda.get_device_capability(device)[0] >= 8 else "fp32"
     if device.type == "cpu":
-        return "bf16" if bf16_matmul_is_fast() else "fp32"
+        return "bf16" if cpu_has_native_bf16() else "fp32"
     return "fp32"
 
 
@@ -114,6 +115,8 @@ def tile_sizes(
     (``torch.cuda.mem_get_info``, at most :data:`GPU_TILE_MEMORY_CAP`) and on the CPU the fixed tiles
     :data:`CPU_QUERY_BLOCK` x :data:`CPU_GALLERY_CHUNK` (about 64 MB of scores). A tile holds at most ``budget / TILE_ENTRY_BYTES``
     scores; square tiles serve the symmetric all-vs-all pass. Never an N x N matrix unless it fits the budget.
+    The sizes (and so the free memory they may come from) change only the speed and the memory of the search:
+    every result is a function of exact scores alone (``tests/test_metrics_determinism.py``).
     """
     if query_block is not None and query_block < 1 or gallery_chunk is not None and gallery_chunk < 1:
         raise ValueError(f"query_block and gallery_chunk must be >= 1, got {query_block} and {gallery_chunk}")

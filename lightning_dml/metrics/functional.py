@@ -23,6 +23,7 @@ the device of the embeddings unless ``device`` says otherwise.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,8 +33,8 @@ from torch import Tensor
 
 from lightning_dml.distributed import all_gather_object, get_rank, get_world_size
 from lightning_dml.input_checks import check_embeddings, check_finite, check_labels, check_per_row, check_same_device
-from lightning_dml.metrics._ddp import common_min, run_distributed
-from lightning_dml.metrics._device import bf16_matmul_is_fast, resolve_precision, tile_sizes
+from lightning_dml.metrics._ddp import agree_search_settings, run_distributed
+from lightning_dml.metrics._device import cpu_has_native_bf16, resolve_precision, tile_sizes
 from lightning_dml.metrics._precision import Scorer
 from lightning_dml.metrics._progress import track
 from lightning_dml.metrics._search import ExactSearch
@@ -43,11 +44,11 @@ from lightning_dml.scaling import l2_normalize
 __all__ = [
     "PreparedSet",
     "RetrievalStats",
-    "bf16_matmul_is_fast",
     "check_inputs",
     "clustering_metrics",
     "compute_device",
     "contingency",
+    "cpu_has_native_bf16",
     "f1_score",
     "kmeans",
     "knn",
@@ -204,8 +205,10 @@ def build_search(
     """Set up the chunked exact search over a prepared set, on the set's device.
 
     Tile sizes: explicit ``query_block`` / ``gallery_chunk``, else from ``tile_memory`` bytes, else from the free
-    memory of the device (:func:`lightning_dml.metrics._device.tile_sizes`); with ``distributed`` the smallest
-    size over the processes, so every process works on the same global grid.
+    memory of the device (:func:`lightning_dml.metrics._device.tile_sizes`). With ``distributed`` the processes
+    first agree on one precision and one global tile grid (:func:`~lightning_dml.metrics._ddp.agree_search_settings`:
+    the most precise of the per-process ``"auto"`` resolutions, the smallest tiles; different requested precisions,
+    metrics or set shapes are a ``ValueError`` on every process).
     """
     x = ps.embeddings
     if metric == "cosine":
@@ -215,12 +218,14 @@ def build_search(
                 f"cosine metric: {int(zero.sum())} embedding(s) have zero norm (first at split index "
                 f"{int(ps.indices[zero.nonzero()[0, 0]])}); they have no direction"
             )
-    scorer = Scorer(x, metric, resolve_precision(precision, x.device))
+    resolved = resolve_precision(precision, x.device)
     q, g = _items(ps)
     qb, gc = tile_sizes(x.device, q.numel(), g.numel(), query_block, gallery_chunk, tile_memory)
     if distributed and get_world_size(process_group) > 1:
-        qb, gc = common_min((qb, gc), x.device, process_group)
-    return ExactSearch(scorer, ps.labels, q, g, query_block=qb, gallery_chunk=gc)
+        resolved, (qb, gc) = agree_search_settings(
+            precision, resolved, metric, (qb, gc), tuple(x.shape), x.device, process_group
+        )
+    return ExactSearch(Scorer(x, metric, resolved), ps.labels, q, g, query_block=qb, gallery_chunk=gc)
 
 
 def retrieval_stats(
@@ -334,6 +339,27 @@ def stats_to_metrics(
     return out
 
 
+def _warn_recall_beyond_gallery(
+    recall_at: Sequence[int], labels: Tensor, query_mask: Tensor | None, gallery_mask: Tensor | None,
+    options: dict[str, Any],
+) -> None:
+    """Warn (on rank 0 only under ``distributed``) when a K of Recall@K exceeds the items a query is ranked against:
+    such a Recall@K silently equals Recall@(gallery size). Python shows a given warning once per place."""
+    if query_mask is None:
+        ranked = labels.shape[0] - 1
+    else:
+        ranked = int(gallery_mask.sum()) - int(bool((query_mask & gallery_mask).any()))
+    beyond = sorted({int(k) for k in recall_at if int(k) > ranked})
+    if not beyond or (options.get("distributed") and get_rank(options.get("process_group")) != 0):
+        return
+    warnings.warn(
+        f"recall_at {beyond} exceed(s) the {ranked} gallery items a query is ranked against: Recall@K for those K "
+        f"equals Recall@{ranked}",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def retrieval_metrics(
     embeddings: Tensor,
     labels: Tensor,
@@ -358,6 +384,7 @@ def retrieval_metrics(
         embeddings, labels, indices=indices, query_mask=query_mask, gallery_mask=gallery_mask, metric=metric,
         k=None if map_at_r else 1, rank_ks=tuple(recall_at) + (1,), **options,
     )
+    _warn_recall_beyond_gallery(recall_at, labels, query_mask, gallery_mask, options)
     return stats_to_metrics(stats, recall_at, map_at_r)
 
 

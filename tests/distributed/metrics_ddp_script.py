@@ -1,11 +1,18 @@
 """2-process (gloo, CPU) check that RetrievalMetrics under DDP equals the single-process result exactly.
 
-Run as a script, ``metrics_ddp_script.py [WORLD]`` (default 2; tests/test_metrics_ddp.py runs 2 and 3 processes in
-a subprocess). 1,001 samples are sharded like
+Run as a script, ``metrics_ddp_script.py [WORLD [MODE]]`` (default 2; tests/test_metrics_ddp.py runs 2 and 3
+processes in a subprocess). 1,001 samples are sharded like
 DistributedSampler(shuffle=True, drop_last=False): the shards are padded by repeating items, arrive in a
 shuffled order and in uneven batches. Every figure must equal the single-process one to the last digit, for
 all-vs-all mode (with clustering, 2 k-means seeds split across the processes) and In-Shop mode.
 Prints "DDP-METRICS-OK" from rank 0 on success; exits non-zero on any mismatch.
+
+MODE (default ``plain``) sets how each process chooses the search precision:
+
+* ``mixed``: rank 0 asks for ``precision="bf16"``, the others for ``"fp32"`` (settings that disagree): every rank
+  must raise the same clear ``ValueError`` (printed as "DDP-PRECISION-REJECTED") instead of mixing precisions;
+* ``auto-probe``: every rank asks for ``"auto"`` but the CPU feature test answers bf16 on rank 0 only
+  (monkeypatched): the ranks must agree on fp32 (checked) and give the single-process figures.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from lightning_dml.metrics import RetrievalMetrics  # noqa: E402
+from lightning_dml.metrics import RetrievalMetrics, _device, functional  # noqa: E402
 
 N, D = 1001, 48
 WORLD = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+MODE = sys.argv[2] if len(sys.argv) > 2 else "plain"
 KW = dict(recall_at=(1, 2, 4, 8, 16, 32), kmeans_seeds=2, kmeans_backend="torch", query_block=128, gallery_chunk=300)
 
 
@@ -54,13 +62,34 @@ def shard(rank: int) -> torch.Tensor:
     return order[rank:total:WORLD]
 
 
+def precision_settings(rank: int) -> tuple[dict, list[str]]:
+    """The ``precision`` argument of this rank in MODE, and a list that records the precisions the search used."""
+    used: list[str] = []
+    if MODE == "plain":
+        return {}, used
+    original = functional.Scorer
+
+    def recording_scorer(x: torch.Tensor, metric: str, precision: str) -> object:
+        used.append(precision)
+        return original(x, metric, precision)
+
+    functional.Scorer = recording_scorer
+    if MODE == "mixed":
+        return {"precision": "bf16" if rank == 0 else "fp32"}, used
+    if MODE == "auto-probe":
+        _device.cpu_has_native_bf16 = lambda: rank == 0  # the feature test answers differently on rank 0
+        return {"precision": "auto"}, used
+    raise SystemExit(f"unknown mode {MODE!r}")
+
+
 def worker(rank: int, port: int, expected: tuple[dict, dict]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     x, y, qm = make_data()
     idx = shard(rank)
-    m = RetrievalMetrics(**KW)
-    shop = RetrievalMetrics(clustering=False, **{k: v for k, v in KW.items() if k != "kmeans_seeds"})
+    precision, used = precision_settings(rank)
+    m = RetrievalMetrics(**KW, **precision)
+    shop = RetrievalMetrics(clustering=False, **{k: v for k, v in KW.items() if k != "kmeans_seeds"}, **precision)
     sizes = [97, 3, 200, 501]  # uneven batches (each shard has at most 501 items)
     start = 0
     for s in sizes:
@@ -70,8 +99,20 @@ def worker(rank: int, port: int, expected: tuple[dict, dict]) -> None:
             continue
         m.update(x[b], y[b], indices=b)
         shop.update(x[b], y[b], indices=b, query_mask=qm[b], gallery_mask=~qm[b])
+    if MODE == "mixed":
+        try:
+            m.compute()
+        except ValueError as error:
+            ok = "different precision" in str(error) and "rank 0: 'bf16'" in str(error) and not used
+            print(f"rank {rank} {'DDP-PRECISION-REJECTED' if ok else 'WRONG-ERROR'}: {error}", flush=True)
+            dist.destroy_process_group()
+            sys.exit(0 if ok else 1)
+        print(f"rank {rank} MISMATCH: mixed precisions were not rejected", flush=True)
+        sys.exit(1)
     out, out_shop = m.compute(), shop.compute()
     bad = []
+    if MODE == "auto-probe" and set(used) != {"fp32"}:
+        bad.append(f"auto-probe: the search used {used}, not the agreed fp32")
     for name, got, exp in (("all-vs-all", out, expected[0]), ("in-shop", out_shop, expected[1])):
         if set(got) != set(exp):
             bad.append(f"{name}: keys {sorted(got)} != {sorted(exp)}")
