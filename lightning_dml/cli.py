@@ -22,7 +22,7 @@ from pytorch_lightning.cli import LightningCLI
 from lightning_dml.callbacks import PeriodicCheckpoint, PredictionWriter, ValidationSummary
 from lightning_dml.data.base import DMLDataModule
 from lightning_dml.download import env_flag, set_offline
-from lightning_dml.errors import UserInputError
+from lightning_dml.errors import UserInputError, user_error_message
 from lightning_dml.module import DMLModule
 
 #: Trainer defaults of the ``lightning-dml`` command (a user's ``trainer_defaults`` to :class:`DMLCLI` adds to them)
@@ -159,7 +159,7 @@ def main(args: Sequence[str] | None = None) -> None:
     except UserInputError as error:
         if debug:
             raise
-        print(f"lightning-dml: error: {error}", file=sys.stderr)
+        print(f"lightning-dml: error: {user_error_message(error)}", file=sys.stderr)
         raise SystemExit(1) from None
 
 

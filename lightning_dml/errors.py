@@ -7,9 +7,14 @@ one message and exits with status 1; any other exception is a bug and keeps its 
 
 Each class also derives from the built-in exception that fits, so code that catches ``FileNotFoundError``,
 ``ValueError`` or ``OSError`` keeps working.
+
+A user error raised in a DataLoader worker process (a corrupt image) reaches the main process re-raised by torch
+with the worker's whole traceback in its message; :func:`user_error_message` gives back the original message.
 """
 
 from __future__ import annotations
+
+import re
 
 __all__ = [
     "ChecksumError",
@@ -20,6 +25,7 @@ __all__ = [
     "NotEnoughDiskSpaceError",
     "OfflineError",
     "UserInputError",
+    "user_error_message",
 ]
 
 
@@ -53,3 +59,32 @@ class ChecksumError(DownloadError, ValueError):
 
 class NotEnoughDiskSpaceError(DownloadError):
     """The target file system has less free space than the download and its extraction need."""
+
+
+#: torch's ``ExceptionWrapper.reraise`` message: ``Caught <Type> in DataLoader worker process <n>.`` (or ``in pin
+#: memory thread ...``), a newline, then ``Original `` and the worker's ``traceback.format_exception`` text.
+_WRAPPED = re.compile(r"\ACaught (?P<type>\w+) (?P<where>[^\n]*)\.\nOriginal (?P<traceback>Traceback .*)\Z", re.DOTALL)
+
+
+def user_error_message(error: BaseException) -> str:
+    """The message the CLI prints for the user error ``error``: ``str(error)``, or, for an error that a DataLoader
+    worker raised and torch re-raised in the main process (``Caught CorruptImageError in DataLoader worker process
+    0.`` followed by the worker's traceback), the original error's own message without the traceback: a corrupt
+    image read by a worker prints the same line as one read in the main process.
+
+    The original message is the text after the last ``<module>.<Type>: `` line of the worker's formatted traceback
+    (the last exception of a chain is the one raised); if no such line is found, the traceback's last line.
+    """
+    text = str(error)
+    wrapped = _WRAPPED.match(text)
+    if wrapped is None or wrapped["type"] != type(error).__name__:
+        return text
+    body = wrapped["traceback"].rstrip("\n")
+    kind = type(error)
+    name = kind.__qualname__
+    if kind.__module__ not in ("builtins", "__main__"):  # how traceback.format_exception names the type
+        name = f"{kind.__module__}.{name}"
+    start = body.rfind(f"\n{name}: ")
+    if start < 0:
+        return body.rsplit("\n", 1)[-1].strip()
+    return body[start + len(name) + 3 :].strip()

@@ -9,19 +9,21 @@ difference, a missing list file or image is an error naming it and describing th
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
-from pytorch_lightning.utilities import rank_zero_warn
+from pytorch_lightning.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_dml.data.base import DMLDataModule
 from lightning_dml.data.resources import dataset_resource
 from lightning_dml.download import fetch_dataset
 from lightning_dml.errors import MissingFileError, UserInputError
-from lightning_dml.data.image_list import ImageListDataset
+from lightning_dml.data.image_list import CorruptImageError, ImageListDataset
+from lightning_dml.data.verify import verify_image_files, verify_level
 from lightning_dml.models.input_spec import TORCHVISION_IMAGENET, InputSpec
 from lightning_dml.data.transforms import default_resize_size, eval_transform, train_transform
 
@@ -39,6 +41,22 @@ class SplitFiles:
     boxes: np.ndarray | None = None
     query_mask: np.ndarray | None = None
     gallery_mask: np.ndarray | None = None
+
+    def without(self, drop: Sequence[int]) -> "SplitFiles":
+        """This split without the items at positions ``drop``."""
+        keep = np.setdiff1d(np.arange(len(self.paths)), np.asarray(drop, dtype=np.int64))
+
+        def pick(values: np.ndarray | None) -> np.ndarray | None:
+            return None if values is None else np.asarray(values)[keep]
+
+        return replace(
+            self,
+            paths=[self.paths[i] for i in keep],
+            labels=np.asarray(self.labels)[keep],
+            boxes=pick(self.boxes),
+            query_mask=pick(self.query_mask),
+            gallery_mask=pick(self.gallery_mask),
+        )
 
 
 def find_top_folder(root: str | os.PathLike, names: Sequence[str], markers: Sequence[str], dataset: str, layout: str) -> Path:
@@ -108,12 +126,22 @@ class ImageFilesDataModule(DMLDataModule):
         eval_batch_size, seed, sampler, hard_class_mining, val_classes_fraction, fold, num_folds, fold_seed: see
             :class:`DMLDataModule`.
         on_corrupt: ``"error"``: an unreadable image raises an error naming the file; ``"skip"``: warn and skip.
+            With ``verify_images``, the files that fail the check at set-up: ``"error"`` raises one
+            :class:`~lightning_dml.data.image_list.CorruptImageError` giving their number and the first few;
+            ``"skip"`` drops them from their split with one warning.
         check_counts: compare the numbers of images (and classes) with the papers' and warn on a difference.
         check_files: check at setup that every listed image exists (an error names the missing ones).
         download: in ``prepare_data`` (once per node, under a file lock), download the dataset's official archive
             (:data:`~lightning_dml.data.resources.RESOURCES`), verify it and unpack it into ``root`` unless the
             dataset is already there; datasets without an automatic download raise an error naming the files to
             place. Off by default.
+        verify_images: check every image file at set-up, before any training step (:mod:`lightning_dml.data.verify`):
+            ``False`` (default) or ``"none"``: no check, an unreadable file fails when first read; ``True`` or
+            ``"header"``: PIL opens every file and verifies it (format and header; PNGs' chunk checksums; a JPEG's
+            truncated body is *not* found); ``"decode"``: every file is fully decoded once. In parallel (threads),
+            with a progress bar on rank 0, in ``prepare_data`` (once per node) and again (from the cache) in
+            ``setup``; files that pass are cached by path, size and mtime in the user cache folder
+            (:mod:`lightning_dml.data.cache_dir`, ``$LIGHTNING_DML_CACHE``), so a second set-up only ``stat``s them.
     """
 
     dataset_name: str = "dataset"
@@ -144,6 +172,7 @@ class ImageFilesDataModule(DMLDataModule):
         fold: int | None = None,
         num_folds: int | None = None,
         fold_seed: int = 0,
+        verify_images: bool | str = False,
     ) -> None:
         super().__init__(
             classes_per_batch, samples_per_class, eval_batch_size, num_workers, seed, sampler, hard_class_mining,
@@ -167,6 +196,7 @@ class ImageFilesDataModule(DMLDataModule):
         self.check_counts = check_counts
         self.check_files = check_files
         self.download = download
+        self.verify_images = verify_level(verify_images)
         self.top: Path | None = None
         self.count_warnings: list[str] = []
 
@@ -210,13 +240,24 @@ class ImageFilesDataModule(DMLDataModule):
         return True
 
     def prepare_data(self) -> None:
-        """With ``download=True``: fetch, verify and unpack the dataset into ``root`` unless it is there.
+        """With ``download=True``: fetch, verify and unpack the dataset into ``root`` unless it is there. With
+        ``verify_images``: check the image files and cache the result (the failures are reported by ``setup``).
 
         Lightning calls this on one process per node; the file lock in ``root`` makes nodes sharing a file system
-        download once. The other processes wait at Lightning's barrier before ``setup``.
+        download once. The other processes wait at Lightning's barrier before ``setup``, where they find the
+        verification cached.
         """
-        if not self.download:
-            return
+        if self.download:
+            self._download()
+        if self.verify_images is not None and self.is_present():
+            top = self.find_top()
+            try:
+                splits = self.read_splits(top)
+            except (UserInputError, ValueError):
+                return  # a layout error: setup raises it on every process
+            self._verify_files(splits, top, report=False)
+
+    def _download(self) -> None:
         if self.resource_name is None:
             raise UserInputError(
                 f"{type(self).__name__} has no public archive to download: set download: false and place the "
@@ -254,6 +295,49 @@ class ImageFilesDataModule(DMLDataModule):
             self.count_warnings.append(message)
             rank_zero_warn(message, category=UserWarning)
 
+    def _verify_files(self, splits: dict[str, SplitFiles], top: Path, report: bool = True) -> dict[str, SplitFiles]:
+        """Run ``verify_images`` over both splits. With ``report``: files that failed raise one
+        :class:`CorruptImageError` (``on_corrupt="error"``) or are dropped with one warning (``"skip"``)."""
+        names = ("train", "test")
+        paths = [path for name in names for path in splits[name].paths]
+        trainer = getattr(self, "trainer", None)
+        rank = trainer.global_rank if trainer is not None else getattr(rank_zero_only, "rank", 0)
+        began = time.perf_counter()
+        result = verify_image_files(
+            paths, self.verify_images, top, progress=rank == 0,
+            description=f"verify_images={self.verify_images} ({self.dataset_name})",
+        )
+        if result.checked:
+            seconds = time.perf_counter() - began
+            rank_zero_info(
+                f"{self.dataset_name}: verify_images={self.verify_images}: {len(paths):,} files, {result.checked:,} "
+                f"checked, {result.cached:,} unchanged since they passed (cache {result.cache_file}), {seconds:.1f} s"
+            )
+        if not report or not result.failed:
+            return splits
+        failed = sorted(result.failed)
+        shown = "; ".join(f"{paths[i]} ({result.failed[i]})" for i in failed[:5])
+        more = f" and {len(failed) - 5} more" if len(failed) > 5 else ""
+        level = f"verify_images={self.verify_images}"
+        what = f"{len(failed)} of {len(paths):,} image files of {self.dataset_name} at {top} failed {level}"
+        if self.on_corrupt == "error":
+            raise CorruptImageError(
+                f"{what}: {shown}{more}; replace or remove them, or set on_corrupt: skip "
+                "(--data.init_args.on_corrupt skip) to drop them from their split with a warning"
+            )
+        rank_zero_warn(f"{what}; on_corrupt=skip drops them from their split: {shown}{more}")
+        out, offset = dict(splits), 0
+        for name in names:
+            count = len(splits[name].paths)
+            drop = [i - offset for i in failed if offset <= i < offset + count]
+            out[name] = splits[name].without(drop) if drop else splits[name]
+            offset += count
+            if not out[name].paths:
+                raise CorruptImageError(
+                    f"{self.dataset_name} at {top}: every image of the {name} split failed {level} (first: {shown})"
+                )
+        return out
+
     def build_datasets(self) -> tuple[ImageListDataset, ImageListDataset]:
         try:
             top = self.find_top()
@@ -271,6 +355,8 @@ class ImageFilesDataModule(DMLDataModule):
                 raise DatasetLayoutError(f"{self.dataset_name} at {top}: the {name} split is empty. Expected layout:\n{self.layout}")
         if self.check_files:
             check_images_exist(splits["train"].paths + splits["test"].paths, self.dataset_name, self.layout)
+        if self.verify_images is not None:
+            splits = self._verify_files(splits, top)
         if self.check_counts:
             self._check_counts(splits, top)
         train, test = splits["train"], splits["test"]

@@ -19,6 +19,16 @@ from lightning_dml.data.files import DatasetLayoutError, ImageFilesDataModule, S
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
+#: Folders that tools leave beside the images and that are never classes or images: macOS's archive resource forks.
+SKIPPED_FOLDERS = ("__MACOSX",)
+
+
+def is_hidden(name: str) -> bool:
+    """Whether a file or folder name is skipped when class folders are read: dot-files and dot-folders (``.DS_Store``,
+    macOS's ``._<name>`` AppleDouble resource forks, ``.ipynb_checkpoints``, ``.git``) and :data:`SKIPPED_FOLDERS`."""
+    return name.startswith(".") or name in SKIPPED_FOLDERS
+
+
 FOLDER_LAYOUT = """\
   either  <root>/train/<class name>/<image>.jpg ... and <root>/test/<class name>/<image>.jpg ...
   or      a CSV file (root=<file>.csv, or csv_file=...) with rows  path,label,split
@@ -30,7 +40,10 @@ class ImageFolderDataModule(ImageFilesDataModule):
     """Own images from class folders or a CSV list, with the benchmarks' samplers, transforms and evaluation.
 
     Labels are the class names mapped to 0..C-1 in sorted order over all splits (a name in both splits gets one
-    label). Image extensions recognised in folders: ``IMAGE_EXTENSIONS`` (case-insensitive).
+    label). Image extensions recognised in folders: ``IMAGE_EXTENSIONS`` (case-insensitive). Hidden files and
+    folders (names starting with ``.``, e.g. macOS's ``._<name>.jpg`` AppleDouble files, which carry an image
+    extension but no image) and ``__MACOSX`` folders are skipped (:func:`is_hidden`); a class folder without any
+    image file is not a class, and one warning names every such folder.
 
     Args:
         *args, **kwargs: see :class:`~lightning_dml.data.files.ImageFilesDataModule` (``root``: the folder with
@@ -70,15 +83,26 @@ class ImageFolderDataModule(ImageFilesDataModule):
 
     def _read_folders(self, top: Path) -> dict[str, list[tuple[Path, str]]]:
         out: dict[str, list[tuple[Path, str]]] = {}
+        empty: list[str] = []
         for split in ("train", "test"):
             items = []
-            for class_dir in sorted(p for p in (top / split).iterdir() if p.is_dir()):
+            for class_dir in sorted(p for p in (top / split).iterdir() if p.is_dir() and not is_hidden(p.name)):
+                found = 0
                 for dirpath, dirnames, filenames in os.walk(class_dir):
-                    dirnames.sort()
+                    dirnames[:] = sorted(d for d in dirnames if not is_hidden(d))  # not walked into
                     for filename in sorted(filenames):
-                        if filename.lower().endswith(IMAGE_EXTENSIONS):
+                        if not is_hidden(filename) and filename.lower().endswith(IMAGE_EXTENSIONS):
                             items.append((Path(dirpath) / filename, class_dir.name))
+                            found += 1
+                if not found:
+                    empty.append(f"{split}/{class_dir.name}")
             out[split] = items
+        if empty:
+            rank_zero_warn(
+                f"{self.dataset_name} at {top}: {len(empty)} class folder(s) without any image file are ignored "
+                f"(no class): {', '.join(empty)}. Image files: {', '.join(IMAGE_EXTENSIONS)} (any case), hidden "
+                "files and folders skipped"
+            )
         return out
 
     def _read_csv(self, path: Path) -> dict[str, list[tuple[Path, str]]]:

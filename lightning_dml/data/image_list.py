@@ -4,11 +4,17 @@ Items are ``(image, label, index)``, ``index`` being the item's position in its 
 query/gallery benchmark (In-Shop) additionally yields ``(is_query, is_gallery)`` and exposes ``query_mask`` /
 ``gallery_mask`` tensors, so evaluation ranks queries against the gallery.
 
-A file that cannot be decoded raises :class:`CorruptImageError` naming the file, the split and the item (the
-DataLoader re-raises it in the main process with that message). With ``on_corrupt="skip"`` the item is replaced,
-with a warning naming the file: in a training split by another image of the same class (the P x K batch keeps
-its shape), in an evaluation split by nothing (the collate function :func:`collate_skipping` drops it, so the
-evaluated set excludes the file).
+Images are read by :func:`load_image`, which brings every PIL mode to 8 bits per channel first (16-bit, 32-bit
+integer and float images are scaled by the documented rule of :func:`to_8bit`, never clipped) and then converts
+to ``"RGB"`` or ``"L"``.
+
+A file that cannot be decoded raises :class:`CorruptImageError` (a
+:class:`~lightning_dml.errors.UserInputError`, printed by the CLI as one line) naming the file, the split, the item
+and the ``on_corrupt`` option; the DataLoader re-raises it in the main process, wrapped in a message that holds
+the worker's traceback, which :func:`lightning_dml.errors.user_error_message` strips again. With
+``on_corrupt="skip"`` the item is replaced, with a warning naming the file: in a training split by another image
+of the same class (the P x K batch keeps its shape), in an evaluation split by nothing (the collate function
+:func:`collate_skipping` drops it, so the evaluated set excludes the file).
 """
 
 from __future__ import annotations
@@ -23,9 +29,24 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset, default_collate
 
+from lightning_dml.errors import UserInputError
 
-class CorruptImageError(OSError):
-    """An image file that exists in the dataset's list could not be read or decoded."""
+
+class CorruptImageError(UserInputError, OSError):
+    """An image file that exists in the dataset's list could not be read or decoded (or failed ``verify_images``).
+
+    A :class:`~lightning_dml.errors.UserInputError` (the CLI prints it as one line, also when a DataLoader worker
+    raised it) and an ``OSError``.
+    """
+
+
+#: How to skip unreadable images instead, appended to the messages of :class:`CorruptImageError`.
+ON_CORRUPT_HINT = (
+    "to skip unreadable images with a warning instead, set on_corrupt: skip (--data.init_args.on_corrupt skip)"
+)
+
+#: Modes holding 16-bit unsigned samples (``I;16`` little-endian, ``I;16B`` big-endian, ``I;16L``, ``I;16N``).
+_MODES_16BIT = ("I;16", "I;16B", "I;16L", "I;16N")
 
 
 #: What ``__getitem__`` returns for a skipped item of an evaluation split; dropped by :func:`collate_skipping`.
@@ -40,11 +61,71 @@ def collate_skipping(batch: list[Any]) -> Any:
     return default_collate(kept)
 
 
+def to_8bit(image: Image.Image) -> Image.Image:
+    """``image`` with 8 bits per sample: the high-bit-depth modes become ``"L"``, every other mode is returned as
+    it is (PIL's own conversions of the 8-bit modes are exact).
+
+    The rule, one fixed scale per mode (never per image, so every image of a data set is read alike):
+
+    * ``I;16``, ``I;16B``, ``I;16L``, ``I;16N`` (16-bit grey PNG, TIFF, PGM): the full range [0, 65535] maps to
+      [0, 255] by ``v >> 8`` (the high byte). This is what PIL itself does to 16-bit *colour* PNGs and what
+      torchvision's ``to_dtype(uint16 -> uint8, scale=True)`` does, and an 8-bit value stored as 16 bits either way
+      (``v * 257`` or ``v << 8``) comes back unchanged. PIL's ``convert`` instead clips at 255, which turns nearly
+      every pixel white.
+    * ``I`` (32-bit integer): PIL opens 16-bit PGM/PPM (rescaled from their ``maxval`` to [0, 65535]) and, in
+      Pillow < 10, 16-bit PNGs in this mode, so the same 16-bit range is assumed: ``v >> 8``. Values outside
+      [0, 65535] (a genuine 32-bit image) have no agreed scale: ``ValueError`` naming the range found.
+    * ``F`` (32-bit float, e.g. a float TIFF): the [0, 1] convention of float images in torchvision
+      (``ToTensor``), scikit-image and NumPy pipelines: ``round(v * 255)``, the inverse of ``v / 255``, so an 8-bit
+      image saved as ``v / 255`` comes back unchanged. A value that does not round into [0, 255] (outside about
+      [-0.002, 1.002]), NaN or infinity is a ``ValueError`` naming the range found: PIL's own ``convert`` assumes
+      [0, 255] for ``F`` and would clip a [0, 1] image to black, and no scale can be guessed for other ranges.
+
+    No per-pixel Python: one vectorised NumPy pass over the image.
+    """
+    mode = image.mode
+    if mode not in (*_MODES_16BIT, "I", "F"):
+        return image
+    values = np.asarray(image)
+    if mode == "F":
+        scaled = np.rint(values.astype(np.float64) * 255.0)
+        if not bool(np.all((scaled >= 0.0) & (scaled <= 255.0))):  # also false for NaN
+            finite = values[np.isfinite(values)]
+            found = f"[{finite.min():g}, {finite.max():g}]" if finite.size else "no finite value"
+            extra = "" if finite.size == values.size else f" and {values.size - finite.size} NaN/infinite values"
+            raise ValueError(
+                f"a float (mode F) image must hold values in [0, 1] (read as round(v * 255)); this one has {found}"
+                f"{extra}: convert it to 8 or 16 bits with the scale you intend"
+            )
+        return Image.fromarray(scaled.astype(np.uint8), "L")
+    if mode == "I":
+        low, high = int(values.min()), int(values.max())
+        if low < 0 or high > 65535:
+            raise ValueError(
+                f"a 32-bit integer (mode I) image is read as 16-bit data in [0, 65535] (v >> 8); this one has values "
+                f"in [{low}, {high}]: convert it to 8 or 16 bits with the scale you intend"
+            )
+    return Image.fromarray((values >> 8).astype(np.uint8), "L")
+
+
 def load_image(path: Path, mode: str = "RGB", box: Sequence[float] | None = None) -> Image.Image:
     """Open ``path`` fully decoded in ``mode`` (``"RGB"`` or ``"L"``), cropped to ``box`` = (left, top, right,
-    bottom) in PIL pixel coordinates (clipped to the image) when given."""
+    bottom) in PIL pixel coordinates (clipped to the image) when given.
+
+    Every mode is first brought to 8 bits by :func:`to_8bit` (16-bit, ``I`` and ``F`` images), then converted by
+    PIL: grey (``1``, ``L``, the scaled high-bit-depth modes) is replicated into three channels for ``"RGB"``;
+    alpha (``LA``, ``RGBA``, ``P`` with transparency) is dropped, keeping the colour the file stores under a
+    transparent pixel, as torchvision's ``ImageFolder`` loader does; ``P`` takes its palette colours; ``CMYK``
+    uses PIL's conversion ``(255 - c) * (255 - k) / 255``; ``"L"`` from colour is PIL's ITU-R 601-2 luma
+    ``(19595 R + 38470 G + 7471 B + 2^15) >> 16``. A palette image with per-entry transparency goes through
+    ``RGBA`` (the same pixels, without PIL's warning about it for every such image).
+    """
     with Image.open(path) as handle:
-        image = handle.convert(mode)  # forces a full decode: truncated files fail here, not later
+        handle.load()  # a full decode: truncated files fail here, not later
+        image = to_8bit(handle)
+        if image.mode in ("P", "PA") and "transparency" in image.info:
+            image = image.convert("RGBA")
+        image = image.convert(mode)  # a copy even in the same mode: nothing refers to the closed file
     if box is not None:
         left, top, right, bottom = (float(v) for v in box)
         left, top = max(0.0, left), max(0.0, top)
@@ -119,10 +200,10 @@ class ImageListDataset(Dataset):
         image = load_image(self.paths[index], self.mode, box)
         return image if self.transform is None else self.transform(image)
 
-    def _fail(self, index: int, error: Exception) -> CorruptImageError:
-        return CorruptImageError(
-            f"cannot read image {self.paths[index]} (item {index} of {self.split}): {type(error).__name__}: {error}"
-        )
+    def _describe(self, index: int, error: Exception) -> str:
+        """One line: the file, the item and split, and what failed."""
+        what = " ".join(str(error).split())  # a decoder's multi-line message on one line
+        return f"cannot read image {self.paths[index]} (item {index} of {self.split}): {type(error).__name__}: {what}"
 
     def __getitem__(self, index: int) -> Any:
         index = int(index)
@@ -134,10 +215,10 @@ class ImageListDataset(Dataset):
                 break
             except Exception as error:  # noqa: BLE001 - any decoder failure becomes a named error
                 if self.on_corrupt == "error":
-                    raise self._fail(target, error) from error
+                    raise CorruptImageError(f"{self._describe(target, error)}; {ON_CORRUPT_HINT}") from error
                 if target not in self._warned:
                     self._warned.add(target)
-                    warnings.warn(f"skipping {self._fail(target, error)}", RuntimeWarning, stacklevel=2)
+                    warnings.warn(f"skipping {self._describe(target, error)}", RuntimeWarning, stacklevel=2)
                 if self.evaluation:
                     return SKIPPED
                 candidates = (self.labels == self.labels[index]).nonzero().squeeze(1).tolist()
@@ -172,4 +253,4 @@ class ImageListDataset(Dataset):
         )
 
 
-__all__ = ["CorruptImageError", "ImageListDataset", "collate_skipping", "load_image"]
+__all__ = ["CorruptImageError", "ImageListDataset", "ON_CORRUPT_HINT", "collate_skipping", "load_image", "to_8bit"]
