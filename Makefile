@@ -23,13 +23,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/lightning-dml fit --config configs/glyphs.yaml
 
+# pytest-xdist workers: one per core, at most 4 (each worker holds torch in memory and runs on one thread)
+JOBS   ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))" 2>/dev/null || echo 2)
+PYTEST := $(PY) -m pytest -q -n $(JOBS) --dist worksteal
+
 ## The whole test suite, slow tests included (what CI runs).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PYTEST)
 
 ## The inner loop: everything but the tests marked slow.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 ## Speed benchmarks against pytorch-metric-learning and faiss (see docs/benchmarks.md).
 bench: $(STAMP)
