@@ -378,8 +378,8 @@ def test_offline_variable_also_switches_hugging_face_hub_offline(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env["LIGHTNING_DML_OFFLINE"] = "1"
     code = "import os, lightning_dml; print(os.environ.get('HF_HUB_OFFLINE'))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.stdout.strip() == "1", out.stderr
     env["LIGHTNING_DML_OFFLINE"] = "0"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert out.stdout.strip() == "None", out.stderr

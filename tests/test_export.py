@@ -68,7 +68,7 @@ def test_reloaded_without_lightning_gives_the_module_embeddings(trained, tmp_pat
         torch.save({{"torchscript": scripted(images), "torch_export": exported(images)}}, {str(tmp_path / "out.pt")!r})
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     embeddings = torch.load(tmp_path / "out.pt")
     with torch.no_grad():

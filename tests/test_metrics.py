@@ -10,7 +10,6 @@ import torch
 from lightning_dml.metrics import RetrievalMetrics
 from lightning_dml.metrics import functional as F
 from lightning_dml.metrics._candidates import concat_results, merge_states
-from lightning_dml.metrics._device import cpu_has_native_bf16
 from lightning_dml.metrics._precision import Scorer, tree_sum
 from lightning_dml.metrics import _candidates, _scan
 from lightning_dml.metrics._scan import scan_symmetric
@@ -394,22 +393,6 @@ def test_tree_sum_is_batch_independent() -> None:
     for i in (0, 13, 49):
         assert float(tree_sum(t[i : i + 1])[0]) == float(full[i])
     assert torch.allclose(full, t.sum(dim=1))
-
-
-def test_bf16_feature_test_reads_the_cpu_flags_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    """"auto" on the CPU is a property of the machine (its feature flags), never a timing (issue 19)."""
-    from lightning_dml.metrics import _device
-
-    assert isinstance(cpu_has_native_bf16(), bool)
-    for flags, expected in ((frozenset({"avx2", "avx512f"}), False), (frozenset({"avx512_bf16"}), True),
-                            (frozenset({"amx_bf16", "amx_tile"}), True), (frozenset(), False)):
-        monkeypatch.setattr(_device, "_cpu_flags", lambda f=flags: f)
-        _device.cpu_has_native_bf16.cache_clear()
-        try:
-            assert _device.cpu_has_native_bf16() is (expected and torch.backends.mkldnn.is_available())
-            assert _device.resolve_precision("auto", "cpu") == ("bf16" if _device.cpu_has_native_bf16() else "fp32")
-        finally:
-            _device.cpu_has_native_bf16.cache_clear()
 
 
 def test_count_true_with_more_than_2047_true_entries_in_one_row() -> None:

@@ -27,8 +27,8 @@ def test_ddp_disagreeing_precisions_are_rejected_on_every_rank() -> None:
 
 
 @pytest.mark.slow
-def test_ddp_auto_precision_agreed_when_one_rank_probes_differently() -> None:
-    """"auto" with a feature test that answers bf16 on rank 0 only: all ranks use fp32, figures equal one process."""
+def test_ddp_auto_precision_agreed_when_one_rank_resolves_differently() -> None:
+    """"auto" resolving to bf16 on rank 0 only: all ranks use fp32, figures equal one process."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, SCRIPT, "3", "auto-probe"], capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

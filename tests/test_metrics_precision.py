@@ -179,14 +179,22 @@ def test_matmul_mode_pins_and_restores() -> None:
 
 
 def test_auto_precision_per_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    """"auto": TF32 on CUDA GPUs with TF32 tensor cores (capability >= 8.0), else fp32; CPU: bf16 only with native
-    bf16 matrix units (a feature test, never a timing)."""
-    from lightning_dml.metrics._device import cpu_has_native_bf16, resolve_precision
+    """"auto": TF32 on CUDA GPUs with TF32 tensor cores (capability >= 8.0), else fp32; fp32 on the CPU. A property
+    of the device, never a timing: the answer does not change when a product is slow (issue 19)."""
+    import time
+
+    from lightning_dml.metrics._device import resolve_precision
 
     for capability, expected in (((8, 0), "tf32"), ((9, 0), "tf32"), ((7, 5), "fp32")):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert resolve_precision("auto", "cuda") == expected
-    assert resolve_precision("auto", "cpu") == ("bf16" if cpu_has_native_bf16() else "fp32")
+    def no_timing() -> float:
+        raise AssertionError("the precision choice timed something")
+
+    monkeypatch.setattr(time, "perf_counter", no_timing)
+    monkeypatch.setattr(time, "time", no_timing)
+    assert resolve_precision("auto", "cpu") == "fp32"
     assert resolve_precision("bf16", "cuda") == "bf16"
+    assert resolve_precision("bf16", "cpu") == "bf16"
     with pytest.raises(ValueError, match="precision must be one of"):
         resolve_precision("fp16")

@@ -1,14 +1,12 @@
-"""Where and how the search computes: precision choice per device, the CPU bf16 feature test, thread control, tiles.
+"""Where and how the search computes: precision choice per device, thread control, tile sizes.
 
 * :func:`resolve_precision`: what ``precision="auto"`` means on a device (see ``docs/metrics.md``).
-* :func:`cpu_has_native_bf16`: deterministic feature test of the CPU's bf16 matrix units.
 * :class:`_Threads`: run a section with a given number of intra-op CPU threads.
 * :func:`tile_sizes`: query-block and gallery-chunk sizes from the free memory of the device (or explicit sizes).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -26,44 +24,18 @@ TILE_ENTRY_BYTES = 16
 GPU_TILE_MEMORY_CAP = 4 * 2**30
 
 
-#: CPU feature flags (as Linux reports them in ``/proc/cpuinfo``) of native bf16 matrix arithmetic: AVX512-BF16
-#: (``vdpbf16ps``) and AMX-BF16 tiles, which oneDNN uses for bf16 products
-NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-
-
-def _cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where the file does not exist: not Linux)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_has_native_bf16() -> bool:
-    """Deterministic feature test: does this CPU multiply bfloat16 matrices natively (AVX512-BF16 or AMX-BF16)?
-
-    True when oneDNN (``torch.backends.mkldnn``) is available and the CPU reports one of
-    :data:`NATIVE_BF16_FLAGS`. A property of the machine alone, never a timing, so every process on the same
-    kind of CPU answers alike whatever the load; without native support torch emulates bf16, several times slower
-    than float32. Where the flags cannot be read (not Linux) the answer is False (the search uses float32).
-    """
-    return bool(torch.backends.mkldnn.is_available() and NATIVE_BF16_FLAGS & _cpu_flags())
-
-
 def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str:
     """The precision of the approximate pass on ``device``: ``"fp32"``, ``"tf32"`` or ``"bf16"``.
 
     ``"auto"`` is decided from the device's properties alone (never a timing, a load or free memory): on CUDA
     ``"tf32"`` where the GPU has TF32 tensor cores (compute capability >= 8.0), else ``"fp32"``; on the CPU
-    ``"bf16"`` when :func:`cpu_has_native_bf16`, else ``"fp32"``. An explicit choice is honoured on every device
-    (``"tf32"`` on the CPU rounds the inputs to TF32 and multiplies in float32: the emulation the tests use).
-    Under DDP the processes agree on one precision before the search
-    (:func:`lightning_dml.metrics._ddp.agree_search_settings`). Results are exact whatever the precision.
+    ``"fp32"``. Even on a CPU with native bf16 units (AMX, AVX512-BF16) the whole search is faster in fp32: the
+    bf16 bound (about 2^-8 relative) leaves so many ambiguous ranks and candidates to re-score exactly that the
+    exact finish costs far more than the faster products save (``docs/benchmarks.md``: 4.5x slower in bf16 at
+    20,000 x 512 on an AMX CPU). An explicit choice is honoured on every device (``"tf32"`` on the CPU rounds the
+    inputs to TF32 and multiplies in float32: the emulation the tests use). Under DDP the processes agree on one
+    precision before the search (:func:`lightning_dml.metrics._ddp.agree_search_settings`). Results are exact
+    whatever the precision.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -72,8 +44,6 @@ def resolve_precision(precision: str, device: torch.device | str = "cpu") -> str
     device = torch.device(device)
     if device.type == "cuda":
         return "tf32" if torch.cuda.get_device_capability(device)[0] >= 8 else "fp32"
-    if device.type == "cpu":
-        return "bf16" if cpu_has_native_bf16() else "fp32"
     return "fp32"
 
 

@@ -34,7 +34,7 @@ from torch import Tensor
 from lightning_dml.distributed import all_gather_object, get_rank, get_world_size
 from lightning_dml.input_checks import check_embeddings, check_finite, check_labels, check_per_row, check_same_device
 from lightning_dml.metrics._ddp import agree_search_settings, run_distributed
-from lightning_dml.metrics._device import cpu_has_native_bf16, resolve_precision, tile_sizes
+from lightning_dml.metrics._device import resolve_precision, tile_sizes
 from lightning_dml.metrics._precision import Scorer
 from lightning_dml.metrics._progress import track
 from lightning_dml.metrics._search import ExactSearch
@@ -48,7 +48,6 @@ __all__ = [
     "clustering_metrics",
     "compute_device",
     "contingency",
-    "cpu_has_native_bf16",
     "f1_score",
     "kmeans",
     "knn",

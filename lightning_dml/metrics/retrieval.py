@@ -89,7 +89,7 @@ class RetrievalMetrics(Metric):
         map_at_r: compute ``map@r`` and ``r_precision``.
         metric: ``"cosine"`` (on L2-normalised embeddings) or ``"euclidean"``.
         precision: approximate-pass precision, ``"auto"`` (CUDA: TF32 on GPUs with TF32 tensor cores, else fp32;
-            CPU: bf16 when the CPU has native bf16 matrix units, else fp32; a feature test, never a timing),
+            CPU: fp32; a property of the device, never a timing),
             ``"fp32"``, ``"tf32"`` or ``"bf16"``. Results are exact in every case. Under DDP every process must be
             given the same value; the processes agree on one precision before the search.
         kmeans_iters: Lloyd iterations per k-means run.

@@ -11,8 +11,9 @@ MODE (default ``plain``) sets how each process chooses the search precision:
 
 * ``mixed``: rank 0 asks for ``precision="bf16"``, the others for ``"fp32"`` (settings that disagree): every rank
   must raise the same clear ``ValueError`` (printed as "DDP-PRECISION-REJECTED") instead of mixing precisions;
-* ``auto-probe``: every rank asks for ``"auto"`` but the CPU feature test answers bf16 on rank 0 only
-  (monkeypatched): the ranks must agree on fp32 (checked) and give the single-process figures.
+* ``auto-probe``: every rank asks for ``"auto"`` but ``"auto"`` resolves to bf16 on rank 0 only (monkeypatched, as
+  on a job whose processes sit on different devices): the ranks must agree on fp32 (checked) and give the
+  single-process figures.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from lightning_dml.metrics import RetrievalMetrics, _device, functional  # noqa: E402
+from lightning_dml.metrics import RetrievalMetrics, functional  # noqa: E402
 
 N, D = 1001, 48
 WORLD = int(sys.argv[1]) if len(sys.argv) > 1 else 2
@@ -77,7 +78,8 @@ def precision_settings(rank: int) -> tuple[dict, list[str]]:
     if MODE == "mixed":
         return {"precision": "bf16" if rank == 0 else "fp32"}, used
     if MODE == "auto-probe":
-        _device.cpu_has_native_bf16 = lambda: rank == 0  # the feature test answers differently on rank 0
+        resolve = functional.resolve_precision  # "auto" resolves differently on rank 0
+        functional.resolve_precision = lambda p, device: "bf16" if rank == 0 and p == "auto" else resolve(p, device)
         return {"precision": "auto"}, used
     raise SystemExit(f"unknown mode {MODE!r}")
 
