@@ -24,6 +24,7 @@ from lightning_dml.data.base import DMLDataModule
 from lightning_dml.download import env_flag, set_offline
 from lightning_dml.errors import UserInputError, user_error_message
 from lightning_dml.module import DMLModule
+from lightning_dml.run_config import SaveRunConfig
 
 #: Trainer defaults of the ``lightning-dml`` command (a user's ``trainer_defaults`` to :class:`DMLCLI` adds to them)
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -121,6 +122,7 @@ def build_cli(args: Sequence[str] | None = None, run: bool = True) -> DMLCLI:
         DMLModule,
         DMLDataModule,
         subclass_mode_data=True,
+        save_config_callback=SaveRunConfig,  # config.yaml in the run's own folders (lightning_dml/run_config.py)
         save_config_kwargs={"overwrite": True},
         args=args,
         run=run,

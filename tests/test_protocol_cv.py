@@ -7,8 +7,11 @@ from __future__ import annotations
 import csv
 import json
 import math
+import warnings
+from pathlib import Path
 
 import pytest
+import yaml
 import torch
 
 from lightning_dml.cli import main
@@ -110,8 +113,16 @@ def test_bad_invocations_are_one_message(args, match, capsys, tmp_path, monkeypa
     assert err.startswith("lightning-dml: error:") and match in err and "Traceback" not in err
 
 
-def tiny_fit_args(root) -> list[str]:
-    """A few training steps of a tiny network on the Glyphs subset (fixture ``glyph_subset``)."""
+def tiny_fit_args(root, logger: str = "csv") -> list[str]:
+    """A few training steps of a tiny network on the Glyphs subset (fixture ``glyph_subset``), logged by a
+    CSVLogger (``logger="csv"``) or an offline W&B logger (``"wandb"``, project ``protocol-test``) into ``root``, or
+    the command's default logger (``"default"``: W&B, offline, into ``logs/`` of the working directory)."""
+    loggers = {
+        "default": [],
+        "csv": ["--trainer.logger=pytorch_lightning.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={root}"],
+        "wandb": ["--trainer.logger=pytorch_lightning.loggers.WandbLogger", f"--trainer.logger.init_args.save_dir={root}",
+                  "--trainer.logger.init_args.offline=true", "--trainer.logger.init_args.project=protocol-test"],
+    }
     return [
         "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.max_epochs=1", "--trainer.max_steps=3",
         "--trainer.limit_train_batches=3", "--trainer.enable_progress_bar=false",
@@ -119,9 +130,30 @@ def tiny_fit_args(root) -> list[str]:
         "--model.backbone=lightning_dml.models.SmallConvNet", "--model.backbone.init_args.width=8",
         "--model.embedding_dim=16", "--model.optimizer=torch.optim.Adam", "--model.recall_at=[1,2]",
         "--data=lightning_dml.data.GlyphsDataModule", "--data.init_args.classes_per_batch=4",
-        "--data.init_args.samples_per_class=4",
-        "--trainer.logger=pytorch_lightning.loggers.CSVLogger", f"--trainer.logger.init_args.save_dir={root}",
+        "--data.init_args.samples_per_class=4", *loggers[logger],
     ]
+
+
+def wandb_runs(save_dir) -> dict[str, dict]:
+    """The offline W&B runs under ``save_dir``: run id -> its folder and the raw bytes of its ``.wandb`` record
+    (where W&B stores the run's name, group and job type)."""
+    runs = {}
+    for folder in sorted(Path(save_dir).glob("wandb/offline-run-*")):
+        record = next(folder.glob("run-*.wandb"))
+        runs[record.stem[len("run-"):]] = {"dir": folder, "record": record.read_bytes()}
+    return runs
+
+
+def check_class_lists(folders, num_folds: int) -> None:
+    """``classes.json`` of every fold: validation and training classes disjoint, together the training classes;
+    the validation classes of the folds partition them; the test classes are apart."""
+    lists = [json.loads((folder / cv.CLASSES).read_text()) for folder in folders]
+    everything = set(lists[0]["train"]) | set(lists[0]["validation"])
+    for i, classes in enumerate(lists):
+        assert (classes["fold"], classes["num_folds"]) == (i, num_folds)
+        train, val, test = set(classes["train"]), set(classes["validation"]), set(classes["test"])
+        assert train and val and not train & val and train | val == everything and not test & everything
+    assert sorted(c for classes in lists for c in classes["validation"]) == sorted(everything)
 
 
 @pytest.mark.slow  # about 30 s on the shared 2-core machine (two fits, their validations and test embeddings)
@@ -158,6 +190,45 @@ def test_two_folds_one_repeat_through_the_command(glyph_subset, tmp_path, monkey
     (run_dir / cv.MANIFEST).write_text(json.dumps({**manifest, "repeats": 2}))
     with pytest.raises(cv.ProtocolError, match="2 fold x repeat runs have not finished"):
         cv.aggregate(run_dir, log=False)
+
+
+@pytest.mark.slow  # about 30 s on the shared 2-core machine (two fits with W&B runs, test embeddings)
+def test_every_fit_is_its_own_wandb_run_with_its_config_and_class_lists(glyph_subset, tmp_path, monkeypatch):
+    """Regressions (issue 19): every fold wrote into the first fold's W&B run ("There is a wandb run already in
+    progress ... will reuse this run"); each fit's config.yaml went to the logger's shared save_dir, overwritten by
+    the next fit; the folds' class lists were written nowhere; results.csv had the column ``repeats`` twice;
+    test_embeddings.pt recorded ``repeats = 0``; every fit warned "LightningCLI's args parameter is intended ..."."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["lightning-dml", "cv", "--num_folds", "2"])  # as the console script sees it
+    run_dir, save_dir = tmp_path / "cv", tmp_path / "wb"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        main(["cv", "--num_folds", "2", "--run_dir", str(run_dir), *tiny_fit_args(save_dir, "wandb")])
+    assert not [str(w.message) for w in caught if "args parameter" in str(w.message)]
+    folders = [cv.fold_dir(run_dir, 0, i) for i in range(2)]
+    saved = [torch.load(folder / cv.EMBEDDINGS, weights_only=False) for folder in folders]
+    runs = wandb_runs(save_dir)
+    assert len(runs) == 3, sorted(runs)  # one run per fit, and the run of the table
+    group = f"cv {run_dir.resolve()}"
+    for i, (folder, fold) in enumerate(zip(folders, saved)):
+        run = fold["wandb"]
+        assert run["name"] == f"repeat 0 fold {i}" and run["group"] == group and run["job_type"] == "repeat 0"
+        assert Path(run["dir"]) == runs[run["id"]]["dir"].resolve()
+        record = runs[run["id"]]["record"]
+        assert run["name"].encode() in record and group.encode() in record  # what W&B will sync
+        # the fit's resolved config: in its run folder and in its W&B run's folder, with its own fold
+        for config in (folder / "config.yaml", runs[run["id"]]["dir"] / "config.yaml"):
+            data = yaml.safe_load(config.read_text())
+            assert data["data"]["init_args"]["fold"] == i and data["trainer"]["default_root_dir"] == str(folder)
+        assert fold["budget"]["repeats"] == 1 and fold["budget"]["num_folds"] == 2 and fold["world_size"] == 1
+    assert saved[0]["wandb"]["id"] != saved[1]["wandb"]["id"]
+    (table,) = [r for r in runs.values() if b"cv results" in r["record"]]
+    assert group.encode() in table["record"]
+    assert not (save_dir / "config.yaml").exists() and not (tmp_path / "logs" / "config.yaml").exists()
+    check_class_lists(folders, 2)
+    with open(run_dir / "results.csv") as handle:
+        header = next(csv.reader(handle))
+    assert header.count("repeats") == 1 and len(set(header)) == len(header), header
 
 
 def test_the_budget_file_sets_folds_repeats_and_steps(tmp_path, monkeypatch):

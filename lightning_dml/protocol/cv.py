@@ -19,12 +19,19 @@ sqrt(R)`` (``scipy.stats.t``; ``s`` the sample standard deviation, ``ddof=1``; n
 Every fit is an ordinary ``lightning-dml fit`` of the config (``build_cli``), with ``--data.init_args.num_folds``,
 ``--data.init_args.fold``, ``--seed_everything`` and ``--trainer.default_root_dir <run_dir>/repeat_<r>/fold_<i>``
 added; any other argument is passed to ``fit`` unchanged. ``--budget`` (the file ``sweep`` takes too, see
-:mod:`lightning_dml.protocol.budget`) gives the folds, the repeats and ``--trainer.max_steps``. Layout of
-``<run_dir>``::
+:mod:`lightning_dml.protocol.budget`) gives the folds, the repeats and ``--trainer.max_steps``. A fit on several
+devices (``--trainer.devices N``) runs in processes of its own (:mod:`lightning_dml.protocol.launch`); everything
+else happens once, in this process. Layout of ``<run_dir>``::
 
-    cv.json                           the command (fit arguments, folds, repeats, seed, budget)
-    repeat_<r>/fold_<i>/test_embeddings.pt   that fit's test embeddings, labels and last validation metrics
-    results.md, results.csv           the table (written by the run, or by --aggregate)
+    cv.json                           the command (fit arguments, folds, repeats, seed)
+    repeat_<r>/fold_<i>/config.yaml          that fit's resolved config (lightning_dml.run_config)
+    repeat_<r>/fold_<i>/classes.json         that fit's training, validation and test class ids
+    repeat_<r>/fold_<i>/test_embeddings.pt   its test embeddings, labels, last validation metrics, W&B run
+    repeat_<r>/fold_<i>/checkpoints/         its checkpoints (when checkpointing is on)
+    results.md, results.csv, repeats.json    the table (written by the run, or by --aggregate)
+
+With a W&B logger every fit is a run of its own: group ``cv <run_dir>``, job type ``repeat <r>``, name
+``repeat <r> fold <i>``; the table is logged to one more run of the group (``cv results``, job type ``results``).
 """
 
 from __future__ import annotations
@@ -46,9 +53,19 @@ from lightning_dml.callbacks.embedding import embed_loader
 from lightning_dml.metrics import RetrievalMetrics
 from lightning_dml.metrics.retrieval import eval_batch_targets
 from lightning_dml.protocol.budget import ProtocolError, load_budget
+from lightning_dml.protocol.launch import (
+    class_lists,
+    finish_runs,
+    fit_command,
+    is_global_zero,
+    run_name,
+    started_externally,
+    wandb_group,
+)
 
 MANIFEST = "cv.json"
 EMBEDDINGS = "test_embeddings.pt"
+CLASSES = "classes.json"
 #: the metrics of the table besides Recall@K
 TABLE_METRICS = ("map@r", "r_precision")
 
@@ -145,6 +162,23 @@ def fold_args(fit_args: Sequence[str], run_dir: Path, num_folds: int, fold: int,
     ]
 
 
+def wandb_run(run_dir: Path, repeat: int | None = None, fold: int | None = None) -> dict[str, str]:
+    """The W&B group, job type and name of a fit (``repeat``, ``fold``) or of the table (``None``) of the cv run
+    ``run_dir``: the group is the run folder's absolute path, the same for every task of one cross-validation."""
+    group = wandb_group(f"cv {Path(run_dir).resolve()}")
+    if fold is None:
+        return {"group": group, "job_type": "results", "name": "cv results"}
+    return {"group": group, "job_type": f"repeat {repeat}", "name": f"repeat {repeat} fold {fold}"}
+
+
+def write_json(path: Path, data: Any) -> None:
+    """``data`` as JSON in ``path``, replaced atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(path)
+
+
 def _budget(cli: Any, num_folds: int, repeats: int) -> dict[str, Any]:
     trainer = cli.config.get("fit", cli.config).get("trainer", {})
     keys = ("max_steps", "max_epochs", "limit_train_batches")
@@ -159,33 +193,45 @@ def embed_test_split(model: torch.nn.Module, datamodule: Any) -> dict[str, Any]:
     return {"embeddings": embeddings.cpu(), **{k: v.cpu() for k, v in targets.items() if v is not None}}
 
 
-def run_fold(fit_args: Sequence[str], run_dir: Path, num_folds: int, fold: int, repeat: int, seed: int) -> Path:
-    """Fit fold ``fold`` of repeat ``repeat`` through :func:`~lightning_dml.cli.build_cli` and save its test
-    embeddings (of the best validation checkpoint when there is one) and last validation metrics."""
+def run_fold(fit_args: Sequence[str], run_dir: Path, num_folds: int, fold: int, repeat: int, seed: int,
+             repeats: int = 1) -> Path:
+    """Fit fold ``fold`` of repeat ``repeat`` (of ``repeats``) through :func:`~lightning_dml.cli.build_cli` (the
+    fit's processes its own, one W&B run: :func:`~lightning_dml.protocol.launch.fit_command`), then, on global rank
+    0, save its class lists and its test embeddings (of the best validation checkpoint when there is one) with its
+    last validation metrics."""
     from lightning_dml.cli import build_cli
 
-    cli = build_cli(fold_args(fit_args, run_dir, num_folds, fold, repeat, seed))
+    with fit_command(fold_args(fit_args, run_dir, num_folds, fold, repeat, seed), wandb_run(run_dir, repeat, fold)):
+        cli = build_cli()
     trainer, model = cli.trainer, cli.model
-    checkpoint = getattr(trainer.checkpoint_callback, "best_model_path", "") if trainer.checkpoint_callback else ""
-    if checkpoint:
-        state = torch.load(checkpoint, map_location=model.device, weights_only=False)
-        model.load_state_dict(state["state_dict"])
-    path = fold_dir(run_dir, repeat, fold) / EMBEDDINGS
-    if trainer.is_global_zero:
-        saved = embed_test_split(model, cli.datamodule)
-        saved["val"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-        saved["checkpoint"] = checkpoint
-        saved["recall_at"] = list(model.hparams.get("recall_at", (1, 2, 4, 8)))
-        saved["budget"] = _budget(cli, num_folds, 0)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        torch.save(saved, tmp)
-        tmp.replace(path)
+    folder = fold_dir(run_dir, repeat, fold)
+    path = folder / EMBEDDINGS
+    try:
+        if trainer.is_global_zero:
+            write_json(folder / CLASSES, class_lists(cli.datamodule))
+            callback = trainer.checkpoint_callback
+            checkpoint = getattr(callback, "best_model_path", "") if callback else ""
+            if checkpoint:
+                state = torch.load(checkpoint, map_location=model.device, weights_only=False)
+                model.load_state_dict(state["state_dict"])
+            saved = embed_test_split(model, cli.datamodule)
+            saved["val"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
+            saved["checkpoint"] = checkpoint
+            saved["recall_at"] = list(model.hparams.get("recall_at", (1, 2, 4, 8)))
+            saved["budget"] = _budget(cli, num_folds, repeats)
+            saved["world_size"] = trainer.world_size
+            saved["wandb"] = run_name(trainer)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            torch.save(saved, tmp)
+            tmp.replace(path)
+    finally:
+        finish_runs(trainer)
     return path
 
 
-def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
+def write_manifest(run_dir: Path, manifest: dict[str, Any], write: bool = True) -> None:
+    """Record the command in ``<run_dir>/cv.json``; one that records another command is an error (``write=False``:
+    only that check, for the processes other than global rank 0 under an external launcher)."""
     path = run_dir / MANIFEST
     if path.exists():
         old = json.loads(path.read_text())
@@ -194,9 +240,8 @@ def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
                 f"{path} records another cross-validation ({old}); use a new --run_dir for {manifest}"
             )
         return
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2))
-    tmp.replace(path)
+    if write:
+        write_json(path, manifest)
 
 
 def read_manifest(run_dir: Path) -> dict[str, Any]:
@@ -224,7 +269,8 @@ def aggregate(run_dir: Path, log: bool = True) -> list[dict[str, Any]]:
     rows = table_rows(evaluations)
     (run_dir / "results.md").write_text(markdown_table(rows, budget))
     with open(run_dir / "results.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=[*rows[0], *budget])
+        # one column per name: the rows' `repeats` is the budget's
+        writer = csv.DictWriter(handle, fieldnames=list(dict.fromkeys([*rows[0], *budget])))
         writer.writeheader()
         writer.writerows({**row, **budget} for row in rows)
     (run_dir / "repeats.json").write_text(json.dumps(evaluations, indent=2))
@@ -235,21 +281,26 @@ def aggregate(run_dir: Path, log: bool = True) -> list[dict[str, Any]]:
 
 def log_table(fit_args: Sequence[str], run_dir: Path, rows: Sequence[dict[str, Any]], budget: dict[str, Any]) -> None:
     """Log the table to the loggers the config configures (``cv/<evaluation>/<metric>/{mean,ci_low,ci_high}``,
-    the budget as hyper-parameters, and a table where the logger has ``log_table``, as W&B's does)."""
+    the budget as hyper-parameters, and a table where the logger has ``log_table``, as W&B's does); with W&B, a
+    run of the cv's group named ``cv results``."""
     from lightning_dml.cli import build_cli
 
-    cli = build_cli([*fit_args, f"--trainer.default_root_dir={run_dir}"], run=False)
+    with fit_command([*fit_args, f"--trainer.default_root_dir={run_dir}"], wandb_run(run_dir)):
+        cli = build_cli(run=False)
     metrics = {
         f"cv/{r['evaluation']}/{r['metric']}/{key}": r[key]
         for r in rows for key in ("mean", "ci_low", "ci_high") if not math.isnan(r[key])
     }
     columns = ["evaluation", "metric", "mean", "ci_low", "ci_high", "repeats"]
-    for logger in cli.trainer.loggers:
-        logger.log_hyperparams({"cv_budget": budget})
-        logger.log_metrics(metrics)
-        if hasattr(logger, "log_table"):
-            logger.log_table("cv/results", columns=columns, data=[[r[c] for c in columns] for r in rows])
-        logger.finalize("success")
+    try:
+        for logger in cli.trainer.loggers:
+            logger.log_hyperparams({"cv_budget": budget})
+            logger.log_metrics(metrics)
+            if hasattr(logger, "log_table"):
+                logger.log_table("cv/results", columns=columns, data=[[r[c] for c in columns] for r in rows])
+            logger.finalize("success")
+    finally:
+        finish_runs(cli.trainer)
 
 
 # ------------------------------------------------------------------------------------------- command
@@ -312,13 +363,21 @@ def main(argv: Sequence[str]) -> list[dict[str, Any]] | None:
             f"--repeats {options.repeats}"
         )
     manifest = {"fit_args": fit_args, "num_folds": options.num_folds, "repeats": options.repeats, "seed": options.seed}
-    write_manifest(options.run_dir, manifest)
+    # under an external launcher every process runs the command; rank 0 writes
+    write_manifest(options.run_dir, manifest, write=is_global_zero())
     if options.fold is not None:
-        run_fold(fit_args, options.run_dir, options.num_folds, options.fold, options.repeat, options.seed)
+        run_fold(fit_args, options.run_dir, options.num_folds, options.fold, options.repeat, options.seed,
+                 options.repeats)
         return None
     for repeat in range(options.repeats):
         for fold in range(options.num_folds):
-            run_fold(fit_args, options.run_dir, options.num_folds, fold, repeat, options.seed)
+            run_fold(fit_args, options.run_dir, options.num_folds, fold, repeat, options.seed, options.repeats)
+    if started_externally():
+        # the fits ran in lockstep in every process; the table is rank 0's, computed without the process group
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        if not is_global_zero():
+            return None
     rows = aggregate(options.run_dir)
     print((options.run_dir / "results.md").read_text())
     return rows

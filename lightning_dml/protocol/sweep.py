@@ -20,6 +20,11 @@ are never used.
 * **Divergence**: non-finite embeddings (checked on the model's output before the loss sees them), a non-finite
   training loss or a non-finite ``val/map@r`` end the trial as FAIL (user attribute ``diverged``, the reason); the
   sweep goes on and a diverged trial counts against the budget.
+* **Several devices per fit** (``--trainer.devices N``): each fit runs in processes of its own
+  (:mod:`lightning_dml.protocol.launch`), and the callback is on the fit's command line, so every process has it;
+  the processes agree on pruning and divergence (global rank 0 decides pruning, any process's non-finite value
+  counts) and stop the fit together (``trainer.should_stop``), never one process alone. The study, the
+  tables and the files are this process's (global rank 0).
 * **Storage** (``--storage``): default ``sqlite:///<run_dir>/study.db``; any database URL optuna supports
   (``postgresql://...`` for many nodes); a file path ending in ``.log`` or ``.journal``: optuna's journal file
   storage (a shared file system, e.g. SLURM array jobs).
@@ -28,10 +33,15 @@ are never used.
   ``--seed``; they may overshoot the budget by one trial each). A trial left RUNNING by a killed worker is marked
   FAIL (the study's user attribute ``stale_trial_<n>`` names the worker) by the next worker that starts: at once
   when that worker runs on the same host and the trial's process is gone, otherwise once the trial's heartbeat
-  (written every ``--heartbeat_interval`` seconds during training) is older than ``--grace_period`` seconds.
+  (written every ``--heartbeat_interval`` seconds during training) is older than ``--grace_period`` seconds. The
+  worker prints each trial it marks so, and ``sweep.json`` gives the reason (``fail_reason``).
 * **Output** (``<run_dir>``): ``best.yaml``, the complete config of the best trial (the fit arguments, the best
   parameters and ``trainer.max_steps``; accepted by ``lightning-dml fit`` and ``lightning-dml cv``), and
-  ``sweep.json`` (budget, study, storage, best value and parameters, every trial's state, value and parameters).
+  ``sweep.json`` (budget, study, storage, best value and parameters, every trial's state, value and parameters,
+  and why a failed trial failed). Each fit's folder ``<run_dir>/trial_<n>/fold_<i>`` holds its ``config.yaml``,
+  ``classes.json`` (the fit's training, validation and test class ids) and its logs and checkpoints. With a W&B
+  logger every fit is a run of its own: group ``sweep <study> <storage>`` (the same for every worker of the
+  study), job type ``trial <n>``, name ``trial <n> fold <i>``.
 """
 
 from __future__ import annotations
@@ -45,12 +55,14 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import pytorch_lightning as pl
 import torch
 import yaml
 
 from lightning_dml.protocol.budget import Budget, ProtocolError, load_budget
+from lightning_dml.protocol.launch import class_lists, finish_runs, fit_command, started_externally, wandb_group
 
 try:
     import optuna
@@ -60,6 +72,9 @@ except ImportError:  # pragma: no cover - optuna is the `protocol` extra
 
 #: the metric the sweep maximises (mean over folds)
 OBJECTIVE = "val/map@r"
+#: the optuna trials this process runs, by number: where a :class:`TrialCallback` built from the fit's command line
+#: finds its trial (in the other processes of a DDP fit there is none)
+RUNNING_TRIALS: dict[int, Any] = {}
 
 
 class DivergedError(RuntimeError):
@@ -120,23 +135,42 @@ def override_args(params: dict[str, Any]) -> list[str]:
 
 # ------------------------------------------------------------------------------------------- callback
 class TrialCallback(pl.Callback):
-    """Reports each validation's ``val/map@r`` to an optuna trial and prunes; stops a diverged fit (non-finite
-    embeddings, through a forward hook on the module, or a non-finite loss); keeps the trial's heartbeat.
+    """Reports each validation's ``val/map@r`` to an optuna trial and stops the fit when the trial is pruned or
+    diverged (non-finite embeddings, seen through a forward hook on the module, a non-finite training loss or a
+    non-finite ``val/map@r``); keeps the trial's heartbeat.
+
+    The fit is stopped, never interrupted by an exception: every process of a DDP fit takes the same decision at the
+    same point (global rank 0 decides pruning, ``trainer.strategy.broadcast``; a non-finite value in any process
+    counts, ``trainer.strategy.reduce_boolean_decision``) and sets ``trainer.should_stop``, so that no process is
+    left waiting for the others. An embedding with a non-finite value is replaced by ones, so that the rest of the
+    fit (a last validation) runs through; the trial fails anyway. After the fit, :attr:`pruned` or
+    :attr:`diverged` says why it stopped (the sweep then raises ``optuna.TrialPruned`` or :class:`DivergedError`).
 
     Args:
-        trial: the running ``optuna.Trial``.
+        trial: the running ``optuna.Trial``; ``None``: the one the sweep registered in :data:`RUNNING_TRIALS` for
+            ``trial_number`` in this process, and in the other processes of a DDP fit none (the callback then takes
+            part in the decisions only).
         step_offset: added to the trainer's ``global_step`` for the reported step (``fold * steps``).
         heartbeat_interval: seconds between heartbeats (user attribute ``heartbeat``, a Unix time).
+        trial_number: the trial's number, how the sweep gives the callback on a fit's command line.
 
-    The checks read one flag per forward and per training step (a host synchronisation each, only in sweeps).
+    The checks read one flag per forward and per training step (a host synchronisation each, and under DDP one
+    all-reduce per training step; only in sweeps).
     """
 
-    def __init__(self, trial: Any, step_offset: int = 0, heartbeat_interval: float = 60.0) -> None:
+    def __init__(self, trial: Any = None, step_offset: int = 0, heartbeat_interval: float = 60.0,
+                 trial_number: int | None = None) -> None:
+        if trial is None and trial_number is not None:
+            trial = RUNNING_TRIALS.get(int(trial_number))
         self.trial = trial
+        self.trial_number = trial_number if trial is None else trial.number
         self.step_offset = int(step_offset)
         self.heartbeat_interval = float(heartbeat_interval)
         self.last_beat = time.time()
         self.last_reported: int | None = None
+        self.pruned: str | None = None
+        self.diverged: str | None = None
+        self._nonfinite: str | None = None
         self._hook: Any = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -148,94 +182,189 @@ class TrialCallback(pl.Callback):
             self._hook.remove()
             self._hook = None
 
-    def _check_embeddings(self, module: torch.nn.Module, inputs: Any, output: Any) -> None:
-        if isinstance(output, torch.Tensor) and not bool(torch.isfinite(output.detach()).all()):
-            raise DivergedError(f"the model's embeddings are non-finite ({type(module).__name__} output)")
+    def _check_embeddings(self, module: torch.nn.Module, inputs: Any, output: Any) -> Any:
+        if isinstance(output, torch.Tensor):
+            finite = torch.isfinite(output.detach())
+            if not bool(finite.all()):
+                if self._nonfinite is None:
+                    self._nonfinite = f"the model's embeddings are non-finite ({type(module).__name__} output)"
+                # a row with a non-finite value becomes all ones (finite, with a direction for the cosine metric)
+                rows = finite.reshape(len(output), -1).all(dim=1).reshape(-1, *([1] * (output.dim() - 1)))
+                return torch.where(rows, output, torch.ones((), dtype=output.dtype, device=output.device))
+        return None
+
+    def _agree_finite(self, trainer: pl.Trainer, step: int) -> None:
+        """Every process: stop the fit when any process saw a non-finite value."""
+        if trainer.strategy.reduce_boolean_decision(self._nonfinite is None, all=True):
+            return
+        self.diverged = self.diverged or self._nonfinite or f"non-finite values in another process at step {step}"
+        trainer.should_stop = True
 
     def beat(self, force: bool = False) -> None:
         now = time.time()
-        if force or now - self.last_beat >= self.heartbeat_interval:
+        if self.trial is not None and (force or now - self.last_beat >= self.heartbeat_interval):
             self.trial.set_user_attr("heartbeat", now)
             self.last_beat = now
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss.detach()).all()):
-            raise DivergedError(f"training loss {float(loss)} at step {trainer.global_step}")
+        if isinstance(loss, torch.Tensor) and not bool(torch.isfinite(loss.detach()).all()) and self._nonfinite is None:
+            self._nonfinite = f"training loss {float(loss)} at step {trainer.global_step}"
+        self._agree_finite(trainer, trainer.global_step)
         self.beat()
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.beat()
-        value = trainer.callback_metrics.get(OBJECTIVE)
         step = self.step_offset + trainer.global_step
-        if trainer.sanity_checking or value is None or step == self.last_reported:
+        self._agree_finite(trainer, trainer.global_step)
+        value = trainer.callback_metrics.get(OBJECTIVE)  # the same in every process (synchronised metric)
+        if trainer.sanity_checking or value is None or step == self.last_reported or self.diverged or self.pruned:
             return
         self.last_reported = step
-        self.trial.report(float(value), step)
-        if self.trial.should_prune():
-            raise optuna.TrialPruned(f"pruned at step {step} ({OBJECTIVE} {float(value):.4f})")
+        if not math.isfinite(float(value)):
+            self.diverged = f"{OBJECTIVE} is {float(value)} at step {step}"
+            trainer.should_stop = True
+            return
+        prune = False
+        if self.trial is not None:
+            self.trial.report(float(value), step)
+            prune = self.trial.should_prune()
+        if trainer.strategy.broadcast(prune, src=0) and not self.pruned:
+            self.pruned = f"pruned at step {step} ({OBJECTIVE} {float(value):.4f})"
+            trainer.should_stop = True
 
 
 # ------------------------------------------------------------------------------------------- trials
-def fit_fold(fit_args: Sequence[str], callback: TrialCallback, budget: Budget, fold: int, root: Path) -> float:
-    """Fit one fold through :func:`~lightning_dml.cli.build_cli` with ``callback`` and return the final
-    ``val/map@r`` (validated once more when the fit did not end with a validation)."""
+def callback_argument(trial_number: int, step_offset: int, heartbeat_interval: float) -> str:
+    """The ``--trainer.callbacks+=`` argument that gives a fit its :class:`TrialCallback`."""
+    spec = {"class_path": f"{TrialCallback.__module__}.{TrialCallback.__qualname__}",
+            "init_args": {"trial_number": trial_number, "step_offset": step_offset,
+                          "heartbeat_interval": heartbeat_interval}}
+    return f"--trainer.callbacks+={json.dumps(spec)}"
+
+
+def validate_alone(cli: Any, callback: TrialCallback) -> float:
+    """Validate the fitted model of ``cli`` once more in this process alone (after a fit on several devices, whose
+    other processes have ended), on the fit's first device and with its precision; ``callback`` reports it at the
+    fit's last step. Returns the new ``val/map@r``."""
+    device = cli.trainer.strategy.root_device
+    callback.step_offset += cli.trainer.global_step  # the new trainer counts no step: report at the fit's last one
+    trainer = pl.Trainer(
+        accelerator=device.type, devices=[device.index or 0] if device.type == "cuda" else 1,
+        precision=cli.trainer.precision, limit_val_batches=cli.trainer.limit_val_batches, logger=False,
+        callbacks=[callback], enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, use_distributed_sampler=False,
+    )
+    trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
+    return float(trainer.callback_metrics[OBJECTIVE])
+
+
+def fit_fold(fit_args: Sequence[str], budget: Budget, fold: int, root: Path, trial_number: int,
+             heartbeat_interval: float = 60.0, wandb: dict[str, str] | None = None) -> float:
+    """Fit one fold of trial ``trial_number`` through :func:`~lightning_dml.cli.build_cli` with its
+    :class:`TrialCallback` (:func:`~lightning_dml.protocol.launch.fit_command`: the fit's processes its own, one W&B
+    run) and return the final ``val/map@r`` (validated once more when the fit did not end with a validation).
+    Raises ``optuna.TrialPruned`` or :class:`DivergedError` when the callback stopped the fit."""
     from lightning_dml.cli import build_cli
 
-    cli = build_cli(
-        [*fit_args, f"--data.init_args.num_folds={budget.folds}", f"--data.init_args.fold={fold}",
-         f"--trainer.max_steps={budget.steps}", f"--trainer.default_root_dir={root}"],
-        run=False,
-    )
-    cli.trainer.callbacks.append(callback)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    if callback.last_reported != callback.step_offset + cli.trainer.global_step:
-        cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
-    value = float(cli.trainer.callback_metrics[OBJECTIVE])
-    if not math.isfinite(value):
-        raise DivergedError(f"{OBJECTIVE} is {value}")
-    return value
+    step_offset = fold * budget.steps
+    args = ["fit", *fit_args, f"--data.init_args.num_folds={budget.folds}", f"--data.init_args.fold={fold}",
+            f"--trainer.max_steps={budget.steps}", f"--trainer.default_root_dir={root}",
+            callback_argument(trial_number, step_offset, heartbeat_interval)]
+    with fit_command(args, wandb):
+        cli = build_cli()
+    trainer = cli.trainer
+    failed = True
+    try:
+        if trainer.is_global_zero:
+            path = Path(root) / "classes.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(class_lists(cli.datamodule), indent=2))
+        callback = next(cb for cb in trainer.callbacks
+                        if isinstance(cb, TrialCallback) and cb.trial_number == trial_number)
+        stale = callback.last_reported != step_offset + trainer.global_step
+        value = None
+        if callback.diverged is None and callback.pruned is None and stale:
+            # the fit's last steps were not validated (`--validate_at_end false`, or a stopped fit)
+            if trainer.world_size > 1:
+                value = validate_alone(cli, callback)
+            else:
+                trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
+        if callback.diverged is not None:
+            raise DivergedError(callback.diverged)
+        if callback.pruned is not None:
+            raise optuna.TrialPruned(callback.pruned)
+        value = float(trainer.callback_metrics[OBJECTIVE] if value is None else value)
+        if not math.isfinite(value):
+            raise DivergedError(f"{OBJECTIVE} is {value}")
+        failed = False
+        return value
+    finally:
+        finish_runs(trainer, exit_code=int(failed))
 
 
 def make_objective(
-    fit_args: Sequence[str], space: dict[str, dict[str, Any]], budget: Budget, run_dir: Path, heartbeat_interval: float
+    fit_args: Sequence[str], space: dict[str, dict[str, Any]], budget: Budget, run_dir: Path, heartbeat_interval: float,
+    group: str | None = None,
 ) -> Callable[[Any], float]:
-    """The optuna objective: sample the space, fit every fold, return the mean final ``val/map@r``."""
+    """The optuna objective: sample the space, fit every fold, return the mean final ``val/map@r``. With a W&B
+    logger each fit is a run of ``group``, job type ``trial <n>``, name ``trial <n> fold <i>``."""
     def objective(trial: Any) -> float:
         trial.set_user_attr("worker", f"{socket.gethostname()}:{os.getpid()}")
         params = suggest(trial, space)
         values = []
+        RUNNING_TRIALS[trial.number] = trial
         try:
             for fold in range(budget.folds):
-                callback = TrialCallback(trial, fold * budget.steps, heartbeat_interval)
-                callback.beat(force=True)
+                trial.set_user_attr("heartbeat", time.time())
                 root = run_dir / f"trial_{trial.number}" / f"fold_{fold}"
-                values.append(fit_fold([*fit_args, *override_args(params)], callback, budget, fold, root))
+                wandb = {"job_type": f"trial {trial.number}", "name": f"trial {trial.number} fold {fold}"}
+                if group:
+                    wandb["group"] = group
+                values.append(fit_fold([*fit_args, *override_args(params)], budget, fold, root, trial.number,
+                                       heartbeat_interval, wandb))
                 trial.set_user_attr("fold_map@r", values)
         except DivergedError as error:
             trial.set_user_attr("diverged", str(error))
             raise
+        finally:
+            RUNNING_TRIALS.pop(trial.number, None)
         return sum(values) / len(values)
 
     return objective
 
 
 def fail_stale_trials(study: Any, grace_period: float) -> list[int]:
-    """Mark FAIL the RUNNING trials of dead workers (the study's user attribute ``stale_trial_<n>`` names the
-    worker): on this host, a trial whose process is gone; anywhere, a trial whose heartbeat is older than
-    ``grace_period`` seconds. Returns their numbers."""
+    """Mark FAIL the RUNNING trials of dead workers: on this host, a trial whose process is gone; anywhere, a trial
+    whose heartbeat is older than ``grace_period`` seconds. Each is printed, and the study's user attribute
+    ``stale_trial_<n>`` gives the reason (naming the worker). Returns their numbers."""
     host, now, failed = socket.gethostname(), time.time(), []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        worker = str(trial.user_attrs.get("worker", ""))
+        worker = str(trial.user_attrs.get("worker", "")) or "unknown"
         beat = trial.user_attrs.get("heartbeat", trial.datetime_start.timestamp() if trial.datetime_start else now)
         worker_host, _, pid = worker.rpartition(":")
         dead = worker_host == host and pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid))
-        if dead or now - float(beat) > grace_period:
-            study.set_user_attr(f"stale_trial_{trial.number}", worker)
+        age = now - float(beat)
+        if dead or age > grace_period:
+            reason = (f"its worker {worker} is gone (no such process on this host)" if dead else
+                      f"no heartbeat from its worker {worker} for {age:.0f} s (--grace_period {grace_period:g} s)")
+            study.set_user_attr(f"stale_trial_{trial.number}", reason)
             study.tell(trial.number, state=TrialState.FAIL, skip_if_finished=True)  # another worker may be first
+            print(f"sweep {study.study_name}: trial {trial.number} was left RUNNING, marked FAIL: {reason}", flush=True)
             failed.append(trial.number)
     return failed
+
+
+def fail_reason(study: Any, trial: Any) -> str | None:
+    """Why a FAIL trial failed: diverged (the trial's ``diverged``), left by a dead worker (the study's
+    ``stale_trial_<n>``), or ``None`` when nothing was recorded."""
+    if trial.state != TrialState.FAIL:
+        return None
+    if "diverged" in trial.user_attrs:
+        return f"diverged: {trial.user_attrs['diverged']}"
+    stale = study.user_attrs.get(f"stale_trial_{trial.number}")
+    return None if stale is None else f"left RUNNING by a dead worker: {stale}"
 
 
 def _alive(pid: int) -> bool:
@@ -293,8 +422,23 @@ def write_best_config(fit_args: Sequence[str], params: dict[str, Any], budget: B
     budget's ``trainer.max_steps``, without folds: the config to train or cross-validate the winner."""
     from lightning_dml.cli import build_cli
 
-    cli = build_cli([*fit_args, *override_args(params), f"--trainer.max_steps={budget.steps}"], run=False)
+    with fit_command([*fit_args, *override_args(params), f"--trainer.max_steps={budget.steps}"]):
+        cli = build_cli(run=False)
     path.write_text(cli.parser.dump(cli.config, skip_none=False))
+
+
+def storage_label(storage: str | None, run_dir: Path) -> str:
+    """Where the study of ``--storage`` lives, for the W&B group (the same for every worker of the study): a file's
+    absolute path (the default SQLite file, a journal file, a ``sqlite:///`` URL), or a database URL without user
+    and password."""
+    if storage is None:
+        return str((run_dir / "study.db").resolve())
+    if "://" not in storage:
+        return str(Path(storage).resolve())
+    parts = urlsplit(storage)
+    if parts.scheme == "sqlite":
+        return str(Path(parts.path[1:]).resolve())  # sqlite:///relative, sqlite:////absolute
+    return f"{parts.scheme}://{parts.hostname or ''}{f':{parts.port}' if parts.port else ''}{parts.path}"
 
 
 # ------------------------------------------------------------------------------------------- command
@@ -335,6 +479,7 @@ def summary(study: Any, budget: Budget, storage: Any) -> dict[str, Any]:
         "best": None if best is None else {"number": best.number, "value": best.value, "params": best.params},
         "trials": [
             {"number": t.number, "state": t.state.name, "value": t.value, "params": t.params,
+             **({"fail_reason": fail_reason(study, t)} if t.state == TrialState.FAIL else {}),
              "user_attrs": {k: v for k, v in t.user_attrs.items() if k != "heartbeat"}}
             for t in trials
         ],
@@ -349,6 +494,12 @@ def main(argv: Sequence[str]) -> dict[str, Any]:
     if not fit_args:
         raise ProtocolError(
             "sweep needs the fit's config: lightning-dml sweep --space S.yaml --budget B.yaml --config C.yaml"
+        )
+    if started_externally():
+        raise ProtocolError(
+            "lightning-dml sweep starts the processes of its fits itself (--trainer.devices N on one machine): run it "
+            "as one process, not under torchrun or srun with several tasks (several sweep workers can share one "
+            "study: --storage)"
         )
     space, budget = load_space(options.space), load_budget(options.budget)
     run_dir = options.run_dir
@@ -373,8 +524,9 @@ def main(argv: Sequence[str]) -> dict[str, Any]:
             study.stop()
 
     if finished_trials(study) < budget.trials:
+        group = wandb_group(f"sweep {options.study_name} {storage_label(options.storage, run_dir)}")
         study.optimize(
-            make_objective(fit_args, space, budget, run_dir, options.heartbeat_interval),
+            make_objective(fit_args, space, budget, run_dir, options.heartbeat_interval, group),
             catch=(DivergedError,), callbacks=[stop_at_budget], gc_after_trial=True,
         )
     result = summary(study, budget, storage)
