@@ -1,4 +1,5 @@
-"""The ``lightning-dml`` command: a ``LightningCLI`` with ``fit``, ``validate``, ``test`` and ``predict``.
+"""The ``lightning-dml`` command: a ``LightningCLI`` with ``fit``, ``validate``, ``test`` and ``predict``, and the
+library's own commands (:data:`COMMANDS`: ``cv``, ``sweep``).
 
 Configs name every class by ``class_path``/``init_args`` (backbone, loss, data module, logger), so jsonargparse
 validates every key, including the loss's own arguments::
@@ -9,21 +10,35 @@ validates every key, including the loss's own arguments::
 
 from __future__ import annotations
 
+import argparse
 import importlib
+import inspect
+import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from jsonargparse import DefaultHelpFormatter, Namespace
 from pytorch_lightning import Callback, Trainer
 from pytorch_lightning.callbacks import BasePredictionWriter, ModelCheckpoint
 from pytorch_lightning.cli import LightningCLI
+from pytorch_lightning.loggers import WandbLogger
+from pytorch_lightning.utilities import rank_zero_only
 
+from lightning_dml import __version__
 from lightning_dml.callbacks import PeriodicCheckpoint, PredictionWriter, ValidationSummary
+from lightning_dml.checkpoints import (
+    CheckpointMismatchError,
+    hparams_disagreements,
+    is_local_file_path,
+    read_checkpoint,
+)
 from lightning_dml.data.base import DMLDataModule
 from lightning_dml.download import env_flag, set_offline
-from lightning_dml.errors import UserInputError, user_error_message
-from lightning_dml.module import DMLModule
+from lightning_dml.errors import CorruptFileError, UserInputError, user_error_message
+from lightning_dml.module import DERIVED_HPARAMS, DMLModule
 from lightning_dml.run_config import SaveRunConfig
 
 #: Trainer defaults of the ``lightning-dml`` command (a user's ``trainer_defaults`` to :class:`DMLCLI` adds to them)
@@ -39,10 +54,100 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 }
 
 
+#: The commands of ``lightning-dml`` beside LightningCLI's ``fit``, ``validate``, ``test`` and ``predict``: name ->
+#: (module whose ``main(argv)`` runs it, one line of help). The one place to register a command: :func:`main`
+#: dispatches ``lightning-dml <name> ...`` to the module and ``lightning-dml --help`` lists it.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "cv": (
+        "lightning_dml.protocol.cv",
+        "class-disjoint cross-validation of a config: k folds, R repeats, test table with 95% intervals",
+    ),
+    "sweep": (
+        "lightning_dml.protocol.sweep",
+        "hyper-parameter search (optuna) on the mean validation MAP@R over class-disjoint folds",
+    ),
+}
+
+#: LightningCLI's commands (``Trainer`` methods), listed by ``--help`` under "subcommands"
+TRAINER_COMMANDS = ("fit", "validate", "test", "predict")
+
+
+def _help_texts() -> dict[str, str]:
+    """``description`` and ``epilog`` of the ``lightning-dml`` parser: the library, and every command."""
+    names = ", ".join([*TRAINER_COMMANDS, *COMMANDS])
+    width = max(len(name) for name in COMMANDS) + 2
+    lines = [f"  {name:<{width}}{text}" for name, (_, text) in COMMANDS.items()]
+    return {
+        "description": (
+            f"lightning-dml {__version__}: deep metric learning with PyTorch Lightning (the lightning_dml "
+            f"library).\nCommands: {names}. `lightning-dml <command> --help` shows a command's options."
+        ),
+        "epilog": "more commands (each with its own --help):\n" + "\n".join(lines),
+    }
+
+
+class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """jsonargparse's help format, with the description and epilog printed as written (one command a line)."""
+
+
+class _DropLightningTips(logging.Filter):
+    """Drops Lightning's advertisements from its console log: the ``💡 Tip:`` lines for litlogger and litmodels that
+    ``Trainer`` prints (``rank_zero_info``) whenever no ``LitLogger`` is configured."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.getMessage())
+        return not (message.startswith("💡 Tip") or "pypi.org/project/lit" in message)
+
+
+def quiet_lightning_tips() -> None:
+    """Attach :class:`_DropLightningTips` to the loggers Lightning's ``rank_zero_info`` writes to (Python logging's
+    own way to drop records; every other Lightning message is kept). Idempotent."""
+    for name in ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _DropLightningTips) for f in log.filters):
+            log.addFilter(_DropLightningTips())
+
+
+def _wandb_offline(logger_config: Any) -> bool | None:
+    """Whether the parsed ``trainer.logger`` (a ``class_path``/``init_args`` namespace or a list of them) has an
+    offline ``WandbLogger`` (``None``: no ``WandbLogger`` in it)."""
+    configs = logger_config if isinstance(logger_config, (list, tuple)) else [logger_config]
+    found = None
+    for config in configs:
+        if isinstance(config, (dict, Namespace)) and str(config.get("class_path", "")).endswith("WandbLogger"):
+            found = bool(found) or bool((config.get("init_args") or {}).get("offline"))
+    return found
+
+
+@rank_zero_only
+def _setup_wandb(offline: bool | None) -> None:
+    """``wandb.setup()`` before the configured ``WandbLogger`` starts its run (``offline is None``: none is).
+
+    Lightning's ``WandbLogger`` passes ``anonymous=None`` to ``wandb.init`` whatever it is given, and W&B (0.23
+    and later) warns "The anonymous setting has no effect" for any value, before ``wandb.init`` has read the
+    environment: the warning reaches the terminal even with ``WANDB_SILENT=true`` (the CLI's default). W&B's
+    public ``setup`` applies the environment first, so the deprecation notice goes where W&B's other messages
+    go. An offline logger sets ``WANDB_MODE`` only when it starts its run; it is set here first (as the logger
+    would), so that ``setup`` does not prepare an online session that asks for an API key.
+    """
+    if offline is None:
+        return
+    import wandb
+
+    if offline:
+        os.environ["WANDB_MODE"] = "offline"  # what WandbLogger(offline=True) sets ("dryrun", the old name)
+    wandb.setup()
+
+
 def _as_list(callbacks: Any) -> list[Callback]:
     if callbacks is None:
         return []
     return list(callbacks) if isinstance(callbacks, (list, tuple)) else [callbacks]
+
+
+@rank_zero_only
+def _warn(message: str) -> None:
+    print(f"lightning-dml: warning: {message}", file=sys.stderr, flush=True)
 
 
 class DMLCLI(LightningCLI):
@@ -59,21 +164,50 @@ class DMLCLI(LightningCLI):
 
     ``--trainer.enable_checkpointing false`` turns both off.
 
-    ``predict`` writes ``<log_dir>/predictions.pt`` (embeddings, labels, indices, image paths) with a
-    :class:`~lightning_dml.callbacks.PredictionWriter`, unless ``--trainer.callbacks`` already has a prediction
-    writer. Every run has a :class:`~lightning_dml.callbacks.ValidationSummary` (given through Lightning's
-    ``trainer_defaults``), which prints the last validation metrics at the end of ``fit``.
+    ``predict`` writes ``<log_dir>/predictions.pt`` (embeddings, labels, indices, image paths, the checkpoint)
+    with a :class:`~lightning_dml.callbacks.PredictionWriter`, unless ``--trainer.callbacks`` already has a
+    prediction writer. Every run has a :class:`~lightning_dml.callbacks.ValidationSummary` (given through
+    Lightning's ``trainer_defaults``), which prints the last validation metrics at the end of ``fit``.
 
-    Customised through LightningCLI's public hooks only: ``trainer_defaults``, ``add_arguments_to_parser`` (the
-    two checkpoint groups are parsed but not instantiated by jsonargparse) and ``instantiate_trainer``, which
+    Every ``fit`` ends with its metrics: with ``--validate_at_end true`` (the default) a fit whose last training
+    steps were not validated (it stopped at ``max_steps`` or ``max_time`` between two validations, or before the
+    first) is validated once more when it ends (``after_fit``), and the table shows that validation. A fit whose
+    last step was validated is not validated again. This final validation is not seen by ``--checkpoint``
+    (Lightning saves checkpoints during ``fit`` only), so ``best-*.ckpt`` is the best of the in-fit validations.
+
+    Checkpoints a run starts from (``--ckpt_path``):
+
+    * a file that does not exist, is empty, truncated, not a checkpoint or holds pickled code is one error naming
+      the file and what is wrong with it (:func:`~lightning_dml.checkpoints.read_checkpoint`);
+    * the model's hyper-parameters come from the checkpoint (LightningCLI's behaviour), and a value the config or
+      the command line gives that differs from the checkpoint's (``--model.embedding_dim 32`` for a checkpoint
+      of width 16) is an error naming the key and both values, never silently replaced;
+    * ``validate``, ``test`` and ``predict`` without ``--ckpt_path`` evaluate the configuration's initial weights
+      (a random head): one warning line says so, and the run records ``checkpoint: null`` (the logged
+      hyper-parameters, the predictions file).
+
+    Customised through LightningCLI's public hooks only: ``trainer_defaults``, ``parser_kwargs`` (the help's
+    description and the list of every command), ``add_arguments_to_parser`` (the two checkpoint groups are parsed
+    but not instantiated by jsonargparse), ``parse_arguments`` (the ``--ckpt_path`` checks, before LightningCLI
+    reads the checkpoint's hyper-parameters), ``before_<command>``/``after_fit`` and ``instantiate_trainer``, which
     builds the checkpoint callbacks from the parsed groups and hands them to ``LightningCLI.instantiate_trainer``
     as ``callbacks`` with the user's. The saved ``config.yaml`` stays what the user gave.
     """
 
-    def __init__(self, *args: Any, trainer_defaults: dict[str, Any] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        trainer_defaults: dict[str, Any] | None = None,
+        parser_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        quiet_lightning_tips()
+        #: prints the metrics table at the end of fit (after the final validation, if one runs)
+        self.validation_summary = ValidationSummary()
         defaults = {**TRAINER_DEFAULTS, **(trainer_defaults or {})}
-        defaults["callbacks"] = [*_as_list(defaults.get("callbacks")), ValidationSummary()]
-        super().__init__(*args, trainer_defaults=defaults, **kwargs)
+        defaults["callbacks"] = [*_as_list(defaults.get("callbacks")), self.validation_summary]
+        parser_kwargs = {**_help_texts(), "formatter_class": _HelpFormatter, **(parser_kwargs or {})}
+        super().__init__(*args, trainer_defaults=defaults, parser_kwargs=parser_kwargs, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
         # No link for data.init_args.input_spec: the data module reads the backbone's input convention at set-up
@@ -90,6 +224,125 @@ class DMLCLI(LightningCLI):
             }
         )
         parser.add_class_arguments(PeriodicCheckpoint, "periodic_checkpoint", instantiate=False, fail_untyped=False)
+        parser.add_argument(
+            "--validate_at_end",
+            type=bool,
+            default=True,
+            help="fit: validate once more when fit ends after training steps that no validation saw (stopped at "
+            "max_steps or max_time between two validations), so that every fit ends with its metrics",
+        )
+
+    # ------------------------------------------------------------------------------------- the checkpoint to load
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        """Parse as LightningCLI does, then check ``--ckpt_path`` (:meth:`check_checkpoint`) before LightningCLI
+        reads the checkpoint's hyper-parameters into the config."""
+        super().parse_arguments(parser, args)
+        self.check_checkpoint(parser, args)
+
+    def check_checkpoint(self, parser: Any, args: Any) -> None:
+        """One clear error for a ``--ckpt_path`` that cannot be used, before LightningCLI reads it.
+
+        * ``best`` names the best checkpoint of a fit earlier in the same process: a ``lightning-dml`` command
+          runs one, so it is an error here (name the file);
+        * a local file is read (:func:`~lightning_dml.checkpoints.read_checkpoint`): missing, empty, truncated,
+          not a checkpoint, or holding pickled code objects is one error naming the file;
+        * its model hyper-parameters must be ones this model takes, and every one of them that the config or the
+          command line gives must equal the checkpoint's (LightningCLI would silently replace the given value by
+          the checkpoint's): :class:`~lightning_dml.checkpoints.CheckpointMismatchError` naming each key and both
+          values. The values not given come from the checkpoint.
+
+        ``last`` is resolved by Lightning when the run starts; :meth:`DMLModule.on_load_checkpoint
+        <lightning_dml.module.DMLModule.on_load_checkpoint>` then compares every hyper-parameter.
+        """
+        subcommand = self.config.get("subcommand")
+        if not subcommand:
+            return
+        ckpt_path = self.config[subcommand].get("ckpt_path")
+        if ckpt_path is None:
+            return
+        if str(ckpt_path) == "best":
+            raise UserInputError(
+                "--ckpt_path best means the best checkpoint of a fit run earlier in the same process, and "
+                f"`lightning-dml {subcommand}` runs none: give the checkpoint file (the fit wrote "
+                "<default_root_dir>/checkpoints/best-epoch=...ckpt)"
+            )
+        if not is_local_file_path(ckpt_path):
+            return  # last/hpc/registry/URLs: Lightning resolves and reads them
+        if os.path.isdir(ckpt_path):
+            strategy = str(self.config[subcommand].get("trainer", {}).get("strategy", "")).lower()
+            if "fsdp" in strategy or "deepspeed" in strategy:
+                return  # a sharded checkpoint is a folder
+            files = sorted(p.name for p in Path(ckpt_path).glob("*.ckpt"))
+            inside = f": it holds {', '.join(files[:4])}{', ...' if len(files) > 4 else ''}" if files else ""
+            raise CorruptFileError(f"--ckpt_path {ckpt_path} is a folder, not a checkpoint file{inside}")
+        checkpoint = read_checkpoint(ckpt_path, what="--ckpt_path")
+        hparams = {k: v for k, v in (checkpoint.get("hyper_parameters") or {}).items() if not k.startswith("_")}
+        model_class = self.model_class if isinstance(self.model_class, type) else None
+        if model_class is not None and hparams:
+            accepted = inspect.signature(model_class.__init__).parameters
+            if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+                unknown = sorted(set(hparams) - set(accepted))
+                if unknown:
+                    raise CheckpointMismatchError(
+                        f"--ckpt_path {ckpt_path} has model hyper-parameters that {model_class.__name__} does not "
+                        f"take: {', '.join(unknown)} (written by another model class or another version of "
+                        "lightning-dml)"
+                    )
+        if isinstance(args, (dict, Namespace)):
+            given = parser.parse_object(args, defaults=False)
+        else:
+            given = parser.parse_args(args, defaults=False)  # what the config files and the command line give
+        given_model = (given.get(subcommand) or {}).get("model") or {}
+        disagreements = [  # a derived value left to be filled in (a fit's saved config.yaml) is not given
+            (key, mine, theirs) for key, mine, theirs in hparams_disagreements(hparams, given_model)
+            if not (mine is None and key.split(".")[0] in DERIVED_HPARAMS)
+        ]
+        if disagreements:
+            details = "; ".join(
+                f"model.{key}: the config or command line gives {mine!r}, the checkpoint {theirs!r}"
+                for key, mine, theirs in disagreements
+            )
+            raise CheckpointMismatchError(
+                f"--ckpt_path {ckpt_path} was saved with other model hyper-parameters than the ones given: {details}. "
+                "Leave these keys out to use the checkpoint's values, or give the checkpoint of such a model"
+            )
+
+    def _warn_without_checkpoint(self, command: str) -> None:
+        if self.config[command].get("ckpt_path") is None:
+            _warn(
+                f"{command} without --ckpt_path runs the configuration's initial weights (a randomly initialised "
+                "embedding head, no trained model); give --ckpt_path to use a checkpoint"
+            )
+
+    def before_validate(self) -> None:
+        self._warn_without_checkpoint("validate")
+
+    def before_test(self) -> None:
+        self._warn_without_checkpoint("test")
+
+    def before_predict(self) -> None:
+        self._warn_without_checkpoint("predict")
+
+    # ------------------------------------------------------------------------------------- the end of fit
+    def before_fit(self) -> None:
+        self.validation_summary.final_validation = bool(self.config["fit"].get("validate_at_end", True))
+
+    def after_fit(self) -> None:
+        """The final validation of ``--validate_at_end`` (see the class docstring), then the metrics table.
+
+        LightningCLI's ``after_fit`` runs in every process of a DDP run (each runs the command), where
+        ``Trainer.validate`` is the public way to validate: Lightning offers no public way to make ``fit``
+        itself validate at a step its schedule skips, and a callback cannot call ``Trainer.validate`` from
+        inside ``fit``. Whether the last validation is stale is decided from the step counts, equal on every
+        process, so all processes validate or none does.
+        """
+        summary = self.validation_summary
+        trainer = self.trainer
+        if not summary.final_validation or trainer.interrupted or not summary.is_stale(trainer):
+            return
+        trainer.validate(self.model, datamodule=self.datamodule, verbose=False)
+        summary.validated_step = trainer.global_step
+        summary.print_table(trainer)
 
     def checkpoint_callbacks(self, trainer_config: dict[str, Any]) -> list[ModelCheckpoint]:
         """The ``--checkpoint`` and ``--periodic_checkpoint`` callbacks, both saving to one folder (none when
@@ -112,7 +365,11 @@ class DMLCLI(LightningCLI):
         callbacks = [*_as_list(trainer_config.get("callbacks")), *self.checkpoint_callbacks(trainer_config)]
         if self.subcommand == "predict" and not any(isinstance(cb, BasePredictionWriter) for cb in callbacks):
             callbacks.append(PredictionWriter())
-        return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
+        trainer = super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
+        if "logger" not in kwargs and any(isinstance(logger, WandbLogger) for logger in trainer.loggers):
+            parsed = self.config.get(str(self.subcommand), self.config).get("trainer") or {}
+            _setup_wandb(_wandb_offline(parsed.get("logger")))
+        return trainer
 
 
 def build_cli(args: Sequence[str] | None = None, run: bool = True) -> DMLCLI:
@@ -139,9 +396,9 @@ def main(args: Sequence[str] | None = None) -> None:
     and exits with status 1, without traceback unless ``--debug`` or ``LIGHTNING_DML_DEBUG=1``. Every other
     exception is a bug and keeps its traceback.
 
-    ``lightning-dml cv ...`` (:mod:`lightning_dml.protocol.cv`) and ``lightning-dml sweep ...``
-    (:mod:`lightning_dml.protocol.sweep`) are dispatched here, beside the LightningCLI subcommands (which are
-    Trainer methods); their user errors are printed the same way.
+    The commands of :data:`COMMANDS` (``lightning-dml cv ...``: :mod:`lightning_dml.protocol.cv`,
+    ``lightning-dml sweep ...``: :mod:`lightning_dml.protocol.sweep`) are dispatched here, beside the LightningCLI
+    subcommands (which are Trainer methods); their user errors are printed the same way.
     """
     argv = list(sys.argv[1:] if args is None else args)
     if "--offline" in argv:
@@ -153,9 +410,9 @@ def main(args: Sequence[str] | None = None) -> None:
     if args is None:
         sys.argv[1:] = argv  # Lightning's DDP launcher restarts the command from sys.argv
     try:
-        if argv[:1] in (["cv"], ["sweep"]):
-            # imported on use: the protocol commands import this module
-            importlib.import_module(f"lightning_dml.protocol.{argv[0]}").main(argv[1:])
+        if argv[:1] and argv[0] in COMMANDS:
+            # imported on use: the commands import this module
+            importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
         else:
             build_cli(None if args is None else argv)
     except UserInputError as error:
@@ -165,4 +422,4 @@ def main(args: Sequence[str] | None = None) -> None:
         raise SystemExit(1) from None
 
 
-__all__ = ["DMLCLI", "build_cli", "main"]
+__all__ = ["COMMANDS", "DMLCLI", "TRAINER_DEFAULTS", "build_cli", "main", "quiet_lightning_tips"]

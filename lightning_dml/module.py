@@ -9,8 +9,11 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.cli import LRSchedulerCallable, OptimizerCallable
+from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
+from pytorch_lightning.trainer.states import TrainerFn
 from torch import nn
 
+from lightning_dml.checkpoints import CheckpointMismatchError, checkpoint_record, hparams_disagreements
 from lightning_dml.checks import check_fit_combination, check_gather_combination, check_training_batch
 from lightning_dml.losses import build_loss
 from lightning_dml.losses.distributed import gathered_loss
@@ -36,6 +39,33 @@ def _default_optimizer(params: Any) -> torch.optim.Optimizer:
 def _needs_sizes(loss: nn.Module) -> bool:
     """Whether ``DMLModule`` fills in sizes of this loss at fit start (``num_classes`` and/or the embedding width)."""
     return bool(getattr(loss, "needs_num_classes", False) or getattr(loss, "needs_embedding_dim", False))
+
+
+#: hyper-parameters derived from the data, not settings (``None``: fill in): compared with a checkpoint's by the
+#: losses themselves
+DERIVED_HPARAMS = ("loss_sizes",)
+
+
+def _describe_backbone(backbone: nn.Module) -> str:
+    extra = backbone.extra_repr()
+    return f"{type(backbone).__name__}({extra})" if extra else type(backbone).__name__
+
+
+def _describe_architecture(arch: dict[str, Any]) -> str:
+    text = f"backbone {arch.get('backbone', 'not recorded')}"
+    if arch.get("features") is not None:
+        text += f" ({arch['features']} features)"
+    text += f", embedding width {arch.get('embedding_width', 'unknown')}"
+    if arch.get("fusion", "none") != "none":
+        text += f", fusion {arch['fusion']!r}"
+    return text
+
+
+def _shape_examples(items: list[tuple[str, tuple, tuple]], limit: int = 2) -> str:
+    shown = ", ".join(
+        f"{key}: {list(theirs)} in the checkpoint, {list(mine)} here" for key, theirs, mine in items[:limit]
+    )
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
 class DMLModule(pl.LightningModule):
@@ -86,6 +116,11 @@ class DMLModule(pl.LightningModule):
         loss_lr_multiplier: the learning rate of the loss's own parameters (proxies, class weights) is the
             optimizer's learning rate times this, independent of ``head_lr_multiplier`` (Proxy-Anchor: 100).
         loss_weight_decay: weight decay of the loss's parameters (0: none, whatever the optimizer's default).
+        loss_sizes: the sizes of the loss's parameters, ``{"num_classes": ..., "embedding_dim": ...}``
+            (``{"embedding_dim": ...}`` for :class:`~lightning_dml.losses.CrossBatchMemory`). Leave it out:
+            ``setup("fit")`` fills it in from the data (see below) and a checkpoint records it, so that
+            ``lightning-dml test --ckpt_path ...`` rebuilds the loss before loading the weights. Ignored for losses
+            without sizes to fill in.
         layer_decay: layer-wise learning-rate decay of a timm backbone (:class:`~lightning_dml.models.TimmBackbone`;
             BEiT, Bao et al. 2022, Sec. 2.6 / DeiT III fine-tuning): the backbone's parameters are grouped by depth
             with timm's ``param_groups_layer_decay`` (ViT: patch and position embeddings and tokens = layer 0,
@@ -100,9 +135,15 @@ class DMLModule(pl.LightningModule):
     ``train_class_ids`` (the classes trained on, after any validation hold-out) and the head's output width
     (``3 * embedding_dim`` with ``fusion="concat"``), and saves them as the ``loss_sizes`` hyper-parameter so a
     checkpoint rebuilds the loss. Training labels are mapped to class indices ``0 .. num_classes - 1`` in the
-    order of ``train_class_ids``. With ``fusion="per_level"`` each level has its own loss instance
-    (:attr:`level_losses`). Their parameters form the optimizer group ``"loss"``. A loss that needs the width alone
-    (``needs_embedding_dim``: :class:`~lightning_dml.losses.CrossBatchMemory`'s memory) gets it the same way.
+    order of ``train_class_ids``. A module built with ``loss_sizes`` (from a checkpoint) has its losses complete at
+    once, and ``setup("fit")`` checks the data against them. With ``fusion="per_level"`` each level has its own
+    loss instance (:attr:`level_losses`). Their parameters form the optimizer group ``"loss"``. A loss that needs
+    the width alone (``needs_embedding_dim``: :class:`~lightning_dml.losses.CrossBatchMemory`'s memory) gets it the
+    same way.
+
+    Checkpoints record :meth:`architecture`; :meth:`on_load_checkpoint` checks that a checkpoint fits the model
+    (hyper-parameters, weights) and names both sides in one error when it does not. The checkpoint a stage's
+    weights come from is logged as the ``checkpoint`` hyper-parameter (``None``: none was loaded).
     """
 
     def __init__(
@@ -125,6 +166,7 @@ class DMLModule(pl.LightningModule):
         loss_lr_multiplier: float = 1.0,
         loss_weight_decay: float = 0.0,
         layer_decay: float | None = None,
+        loss_sizes: dict[str, int] | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["backbone", "loss", "optimizer", "lr_scheduler"])
@@ -171,6 +213,9 @@ class DMLModule(pl.LightningModule):
         self.level_losses = self._make_level_losses()
         self.loss_lr_multiplier = float(loss_lr_multiplier)
         self.loss_weight_decay = float(loss_weight_decay)
+        if loss_sizes:
+            self._apply_loss_sizes(loss_sizes)
+        self._fit_started = False  # set by on_fit_start: later stages evaluate the fit's weights
         #: the training split's class labels, sorted (set in ``setup("fit")`` for losses that need class indices)
         self.register_buffer("train_class_ids", None, persistent=False)
         self.optimizer_factory = optimizer
@@ -246,17 +291,151 @@ class DMLModule(pl.LightningModule):
             if getattr(first, "needs_num_classes", False) else {"embedding_dim": first.embedding_size}
         )
 
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # rebuild the parameters of losses whose sizes were filled in by setup("fit") before the weights load
-        sizes = checkpoint.get("hyper_parameters", {}).get("loss_sizes")
-        if not sizes:
-            return
+    def _apply_loss_sizes(self, sizes: dict[str, Any]) -> None:
+        """Complete the losses that need sizes with ``sizes`` (a checkpoint's ``loss_sizes``) and record them."""
+        completed = False
         for loss in self.trained_losses():
             if getattr(loss, "needs_num_classes", False):
                 loss.complete(**sizes).to(self.device)
+                completed = True
             elif getattr(loss, "needs_embedding_dim", False):
                 loss.complete(embedding_dim=sizes.get("embedding_dim")).to(self.device)
-        self.hparams["loss_sizes"] = dict(sizes)
+                completed = True
+        if completed:
+            self.hparams["loss_sizes"] = dict(sizes)
+
+    # ------------------------------------------------------------------ checkpoints
+    def architecture(self) -> dict[str, Any]:
+        """What a checkpoint's weights must fit: the backbone (class and settings), its feature width, the
+        embedding width and the fusion. Saved in every checkpoint (``checkpoint["lightning_dml"]["architecture"]``)
+        to name both sides when a checkpoint does not fit."""
+        return {
+            "backbone": _describe_backbone(self.backbone),
+            "features": int(getattr(self.backbone, "out_features", 0)) or None,
+            "embedding_width": int(self.head.embedding_dim),
+            "fusion": self.fusion,
+        }
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint.setdefault("lightning_dml", {})["architecture"] = self.architecture()
+
+    def _attached_trainer(self) -> pl.Trainer | None:
+        try:
+            return self.trainer
+        except RuntimeError:  # not attached (DMLModule.load_from_checkpoint)
+            return None
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Before the weights load: rebuild the parameters of losses whose sizes ``setup("fit")`` filled in, and
+        check that the checkpoint fits this model, each mismatch one
+        :class:`~lightning_dml.checkpoints.CheckpointMismatchError`:
+
+        * restored by a ``Trainer`` (``fit``/``validate``/``test``/``predict`` with ``ckpt_path``, including
+          ``--ckpt_path last``), every hyper-parameter of the checkpoint must equal this model's (the key and both
+          values are named): a resumed run continues with the settings it was trained with, an evaluation
+          evaluates the model it names. ``DMLModule.load_from_checkpoint`` keeps Lightning's way (keyword
+          arguments override the checkpoint's hyper-parameters);
+        * the weights must fit: another backbone, embedding width or fusion names the checkpoint's and this
+          model's architecture (:meth:`architecture`) instead of torch's list of size mismatches.
+        """
+        trainer = self._attached_trainer()
+        where = f"checkpoint {trainer.ckpt_path}" if trainer is not None and trainer.ckpt_path else "the checkpoint"
+        hparams = checkpoint.get("hyper_parameters") or {}
+        if trainer is not None:
+            keys = [k for k in hparams if not k.startswith("_") and k not in DERIVED_HPARAMS]
+            disagreements = hparams_disagreements(hparams, dict(self.hparams), keys=keys)
+            if disagreements:
+                details = "; ".join(
+                    f"{key} is {mine!r} here, {theirs!r} in the checkpoint" for key, mine, theirs in disagreements
+                )
+                if trainer.state.fn == TrainerFn.FITTING:
+                    advice = (
+                        "a resumed run continues with the settings it was trained with: give the checkpoint's "
+                        "values, or start a new run (lightning-dml: in another --trainer.default_root_dir)"
+                    )
+                else:
+                    advice = (
+                        "build the model with the checkpoint's values (lightning-dml: give the checkpoint file to "
+                        "--ckpt_path and leave these keys out, so that they come from the checkpoint)"
+                    )
+                raise CheckpointMismatchError(
+                    f"{where} was saved by a model with other hyper-parameters: {details}; {advice}"
+                )
+        sizes = hparams.get("loss_sizes")
+        if sizes:
+            try:
+                self._apply_loss_sizes(sizes)
+            except ValueError as error:
+                raise CheckpointMismatchError(f"{where} does not fit this model's loss: {error}") from None
+        strategy = getattr(trainer, "strategy", None)
+        if strategy is None or isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):  # not a sharded model
+            self._check_weights_fit(checkpoint, where)
+
+    def _check_weights_fit(self, checkpoint: dict[str, Any], where: str) -> None:
+        theirs = checkpoint.get("state_dict") or {}
+        own = self.state_dict()
+        shapes = [
+            (key, tuple(theirs[key].shape), tuple(own[key].shape))
+            for key in own
+            if key in theirs and hasattr(theirs[key], "shape") and tuple(theirs[key].shape) != tuple(own[key].shape)
+        ]
+        strict = getattr(self, "strict_loading", True)
+        missing = [key for key in own if key not in theirs] if strict else []
+        unexpected = [key for key in theirs if key not in own] if strict else []
+        if not (shapes or missing or unexpected):
+            return
+        recorded = (checkpoint.get("lightning_dml") or {}).get("architecture")
+        if recorded is None:  # written before the architecture was recorded: what the head's weight tells
+            head = theirs.get("head.fc.weight")
+            recorded = {"backbone": "not recorded in the checkpoint"}
+            if head is not None and getattr(head, "ndim", 0) == 2:
+                recorded.update(features=int(head.shape[1]), embedding_width=int(head.shape[0]))
+
+        def count(items: list) -> str:
+            return f"{len(items)} weight{'s' if len(items) > 1 else ''}"
+
+        def examples(keys: list[str]) -> str:
+            return ", ".join(keys[:2]) + (", ..." if len(keys) > 2 else "")
+
+        problems = []
+        if shapes:
+            problems.append(f"{count(shapes)} of other shapes ({_shape_examples(shapes)})")
+        if missing:
+            problems.append(f"{count(missing)} of this model missing from it ({examples(missing)})")
+        if unexpected:
+            problems.append(f"{count(unexpected)} in it that this model does not have ({examples(unexpected)})")
+        raise CheckpointMismatchError(
+            f"{where} does not fit the model to load it into: it holds a model with "
+            f"{_describe_architecture(recorded)}, the model (as configured) has "
+            f"{_describe_architecture(self.architecture())}; {'; '.join(problems)}"
+        )
+
+    def _log_checkpoint(self) -> None:
+        """Log ``checkpoint``: :func:`~lightning_dml.checkpoints.checkpoint_record` of the checkpoint the trainer
+        restored for this stage (``None``: the module's own weights) as a hyper-parameter of the run. A stage that
+        evaluates the weights of a ``fit`` of this module (the CLI's final validation) keeps the fit's record."""
+        trainer = self.trainer
+        if self._fit_started and trainer.state.fn != TrainerFn.FITTING and not trainer.ckpt_path:
+            return
+        if not trainer.loggers or not trainer.is_global_zero or not getattr(trainer, "enable_autolog_hparams", True):
+            return
+        record = checkpoint_record(trainer.ckpt_path)
+        for logger in trainer.loggers:
+            logger.log_hyperparams({"checkpoint": record})
+
+    def on_fit_start(self) -> None:
+        self._log_checkpoint()
+        self._fit_started = True
+
+    def on_validation_start(self) -> None:
+        if self.trainer.state.fn == TrainerFn.VALIDATING:
+            self._log_checkpoint()
+
+    def on_test_start(self) -> None:
+        self._log_checkpoint()
+
+    def on_predict_start(self) -> None:
+        self._log_checkpoint()
 
     def _class_indices(self, labels: torch.Tensor) -> torch.Tensor:
         """Training labels -> indices into ``train_class_ids`` (unchanged when no loss needs class indices)."""

@@ -11,6 +11,7 @@ import torch
 from pytorch_lightning.callbacks import BasePredictionWriter
 from pytorch_lightning.utilities import rank_zero_info
 
+from lightning_dml.checkpoints import checkpoint_record
 from lightning_dml.distributed import all_gather_object
 
 __all__ = ["PredictionWriter", "load_predictions"]
@@ -58,7 +59,12 @@ class PredictionWriter(BasePredictionWriter):
       each once),
     * ``paths``: ``list[str]`` of the image file of each item when the predicted dataset has ``paths`` (the file
       data modules: CUB-200, Cars196, SOP, In-Shop, image folders and lists), else ``None`` (in-memory datasets such
-      as Glyphs, whose ``labels`` index ``GlyphsDataModule.class_names``, one character per class).
+      as Glyphs, whose ``labels`` index ``GlyphsDataModule.class_names``, one character per class),
+    * ``checkpoint``: the checkpoint the trainer restored the weights from for this ``predict``
+      (``trainer.ckpt_path``) as ``{"path": absolute path, "sha256": hex digest}``
+      (:func:`~lightning_dml.checkpoints.checkpoint_record`), or ``None`` when it restored none: the module's
+      weights as they were, which through ``lightning-dml predict`` without ``--ckpt_path`` are the
+      configuration's initial weights. (Files written before this key existed lack it.)
 
     Under DDP every process sends its items (on CPU) to the others
     (:func:`lightning_dml.distributed.all_gather_object`); rank 0 drops duplicate indices and writes the single
@@ -104,6 +110,7 @@ class PredictionWriter(BasePredictionWriter):
         dataset = self._dataset(trainer)
         paths = getattr(dataset, "paths", None)
         result["paths"] = None if paths is None else [str(paths[i]) for i in result["indices"].tolist()]
+        result["checkpoint"] = checkpoint_record(trainer.ckpt_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(result, path)
         self.written_path = path
@@ -111,7 +118,8 @@ class PredictionWriter(BasePredictionWriter):
 
 
 def load_predictions(path: str | Path) -> dict[str, Any]:
-    """Load a :class:`PredictionWriter` file: ``{"embeddings", "labels", "indices", "paths"}`` (see there)."""
+    """Load a :class:`PredictionWriter` file: ``{"embeddings", "labels", "indices", "paths", "checkpoint"}`` (see
+    there; ``checkpoint`` is absent from files written before it was recorded)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no predictions file at {path} (lightning-dml predict writes <log_dir>/predictions.pt)")

@@ -8,11 +8,19 @@ Every loss registers itself where it is defined, with the class decorator ``@reg
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Callable, TypeVar
 
 from torch import nn
 
-__all__ = ["LOSSES", "register_loss", "build_loss"]
+from lightning_dml.errors import UserInputError
+
+__all__ = ["LOSSES", "UnknownLossError", "register_loss", "build_loss"]
+
+
+class UnknownLossError(UserInputError, ValueError):
+    """A loss name that is not registered (``--model.loss multi_similarty``): one line with the valid names and the
+    closest ones."""
 
 LOSSES: dict[str, type[nn.Module]] = {}
 
@@ -32,7 +40,10 @@ def register_loss(name: str) -> Callable[[T], T]:
 
 
 def build_loss(name: str, **hparams: Any) -> nn.Module:
-    """Build the loss registered as ``name`` with ``hparams``; an unknown name raises ``ValueError``."""
+    """Build the loss registered as ``name`` with ``hparams``; an unknown name raises :class:`UnknownLossError` (a
+    ``ValueError``) listing the valid names and the closest ones (``difflib``)."""
     if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; valid names: {', '.join(sorted(LOSSES))}")
+        closest = difflib.get_close_matches(str(name), sorted(LOSSES), n=3, cutoff=0.6)
+        hint = f" Did you mean {' or '.join(repr(c) for c in closest)}?" if closest else ""
+        raise UnknownLossError(f"unknown loss {name!r}; valid names: {', '.join(sorted(LOSSES))}.{hint}")
     return LOSSES[name](**hparams)
