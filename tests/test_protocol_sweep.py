@@ -287,6 +287,21 @@ def _states_read_only(path: Path) -> list[str]:
         return []
 
 
+def _has_worker(path: Path, number: int) -> bool:
+    """Whether trial ``number`` of the SQLite study at ``path`` has its ``worker`` user attribute yet (optuna makes a
+    trial RUNNING first and the sweep writes the attribute right after: a kill between the two leaves a trial only
+    the heartbeat's grace period fails, so the test waits for the attribute; on a loaded machine the gap is wide)."""
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as connection:
+            row = connection.execute(
+                "SELECT COUNT(*) FROM trial_user_attributes a JOIN trials t ON a.trial_id = t.trial_id "
+                "WHERE t.number = ? AND a.key = 'worker'", (number,)
+            ).fetchone()
+            return bool(row and row[0])
+    except sqlite3.OperationalError:
+        return False
+
+
 @pytest.mark.slow
 def test_killed_worker_study_resumes_and_two_workers_share_a_journal(tmp_path, tmp_path_factory):
     glyphs = glyph_subset_file(tmp_path_factory.getbasetemp())
@@ -296,7 +311,7 @@ def test_killed_worker_study_resumes_and_two_workers_share_a_journal(tmp_path, t
     deadline = time.time() + 240
     while time.time() < deadline:  # kill it while trial 1 runs, after trial 0 completed
         states = _states_read_only(run_dir / "study.db")
-        if states == ["COMPLETE", "RUNNING"]:
+        if states == ["COMPLETE", "RUNNING"] and _has_worker(run_dir / "study.db", 1):
             break
         assert worker.poll() is None, (tmp_path / "first.log").read_text()
         time.sleep(0.5)
