@@ -11,12 +11,15 @@ in its own process so its peak memory (``getrusage`` max RSS) is its own:
 * ``torch``    -- a plain torch brute force on ``--device``: ``topk`` (k = 1000) over fp32 tiles of 4,096 queries
                   (the GPU peer of issue 11; no metric computed).
 * ``nmi``      -- NMI + F1 of one k-means run with k = 11,316 (``kmeans_backend`` as given, default auto).
+* ``ours-seq-cat``, ``ours-sets``, ``ours-fnmr`` -- ``ours`` on the issue-20 tasks (:func:`task_inputs`): sequence
+                  exclusion plus per-category metrics, label sets of two labels per item, ``fnmr@fmr=0.001``.
 
 Usage::
 
     OMP_NUM_THREADS=2 python bench/evaluation.py                 # all methods, markdown table
     OMP_NUM_THREADS=2 python bench/evaluation.py --methods ours faiss --n 20000
     OMP_NUM_THREADS=2 python bench/evaluation.py --methods ours --profile   # + time split of ours
+    OMP_NUM_THREADS=2 python bench/evaluation.py --methods ours ours-seq-cat ours-sets ours-fnmr --rounds 2
     python bench/evaluation.py --worker ours                     # one method, JSON line (used internally)
 
 ``--profile`` splits the time of ``ours`` into: products (``Scorer.approx``), counting (the band counts of the
@@ -74,7 +77,7 @@ def _profiled() -> dict[str, float]:
     """
     import torch
 
-    from lightning_dml.metrics import _precision, _scan, _search
+    from lightning_dml.metrics import _ranks, _scan, _scores
 
     times: dict[str, float] = {}
     stage = ["other"]
@@ -100,16 +103,41 @@ def _profiled() -> dict[str, float]:
 
         setattr(owner, name, wrapper)
 
-    timed(_precision.Scorer, "__init__", "scorer (normalise, round)", True)
-    timed(_precision.Scorer, "approx", "products", False)
+    timed(_scores.Scorer, "__init__", "scorer (normalise, round)", True)
+    timed(_scores.Scorer, "approx", "products", False)
     timed(_scan, "_count_side", "counting", False)
+    timed(_scan, "_count_windows", "pair windows", False)
     timed(_scan, "true_pairs", "candidate extraction", False)
     timed(_scan, "insert_pairs", "candidate buffers", False)
-    timed(_search, "scan_symmetric", "tile pass", True)
-    timed(_search, "scan_rows", "chunk pass", True)
-    timed(_search.ExactSearch, "prepare_state", "set-up", True)
-    timed(_search.ExactSearch, "finish", "finish", True)
+    timed(_ranks, "scan_symmetric", "tile pass", True)
+    timed(_ranks, "scan_rows", "chunk pass", True)
+    timed(_ranks, "initial_state", "set-up", True)
+    timed(_ranks, "finish", "finish", True)
+    timed(_ranks, "plan_windows", "pair-window sample", True)
+    timed(_ranks, "resolve_windows", "pair thresholds", True)
     return times
+
+
+def task_inputs(y, variant: str, seed: int = 1) -> dict:
+    """The inputs of the issue-20 variants of ``ours`` on the SOP-like set:
+
+    * ``seq-cat``: sequence ids (groups of about 4 random items, as frames of one video) and 12 categories (SOP's
+      super-categories), one per class;
+    * ``sets``: label sets of two labels per item (its class and another random class): R grows accordingly;
+    * ``fnmr``: ``fnmr@fmr=0.001`` over all pairs.
+    """
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    n = y.numel()
+    if variant == "seq-cat":
+        categories = torch.randint(0, 12, (int(y.max()) + 1,), generator=g)
+        return {"sequence": torch.randint(0, max(1, n // 4), (n,), generator=g), "category": categories[y]}
+    if variant == "sets":
+        return {"labels": torch.stack([y, torch.randint(0, int(y.max()) + 1, (n,), generator=g)], 1)}
+    if variant == "fnmr":
+        return {"metrics": ["fnmr@fmr=0.001"]}
+    return {}
 
 
 def run_ours(x, y, args) -> dict:
@@ -121,7 +149,13 @@ def run_ours(x, y, args) -> dict:
     if args.device != "cpu":
         x, y = x.to(args.device), y.to(args.device)
         torch.cuda.reset_peak_memory_stats()
-    out = F.retrieval_metrics(x, y, recall_at=RECALL_AT, map_at_r=True, precision=args.precision)
+    extra = task_inputs(y, args.worker.partition("-")[2]) if "-" in args.worker else {}
+    labels = extra.pop("labels", y)
+    if args.device != "cpu":
+        extra = {k: v.to(args.device) if hasattr(v, "to") else v for k, v in extra.items()}
+        labels = labels.to(args.device)
+    out = F.retrieval_metrics(x, labels, recall_at=RECALL_AT, map_at_r=True, precision=args.precision, **extra)
+    out = {k: v for k, v in out.items() if not k.startswith("category/")}
     if args.device != "cpu":
         out["peak_gpu_mb_above_embeddings"] = (torch.cuda.max_memory_allocated() - x.nbytes - y.nbytes) / 2**20
     if times is not None:
@@ -188,7 +222,10 @@ def run_nmi(x, y, args) -> dict:
     return F.clustering_metrics(x, y, seeds=1, iters=args.kmeans_iters, backend=args.kmeans_backend)
 
 
-METHODS = {"ours": run_ours, "pml": run_pml, "faiss": run_faiss, "torch": run_torch, "nmi": run_nmi}
+METHODS = {
+    "ours": run_ours, "ours-seq-cat": run_ours, "ours-sets": run_ours, "ours-fnmr": run_ours, "pml": run_pml,
+    "faiss": run_faiss, "torch": run_torch, "nmi": run_nmi,
+}
 
 
 def worker(args) -> None:
@@ -204,7 +241,7 @@ def worker(args) -> None:
             pass
     x, y = make_data(args.n, args.d)
     # imports are not timed (lightning_dml.metrics pulls in torchmetrics; faiss its own library)
-    if args.worker in ("ours", "nmi"):
+    if args.worker.startswith("ours") or args.worker == "nmi":
         import lightning_dml.metrics.functional  # noqa: F401
     elif args.worker == "faiss":
         import faiss  # noqa: F401
@@ -229,13 +266,14 @@ def main() -> None:
     p.add_argument("--kmeans-iters", type=int, default=20)
     p.add_argument("--kmeans-backend", default="auto", choices=["auto", "torch", "faiss"])
     p.add_argument("--methods", nargs="+", default=["ours", "pml", "faiss", "nmi"], choices=list(METHODS))
+    p.add_argument("--rounds", type=int, default=1, help="run the methods in turn this many times (one row each)")
     p.add_argument("--worker", choices=list(METHODS), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         worker(args)
         return
     rows = []
-    for m in args.methods:
+    for m in [m for _ in range(args.rounds) for m in args.methods]:
         cmd = [sys.executable, __file__, "--worker", m, "--n", str(args.n), "--d", str(args.d),
                "--threads", str(args.threads), "--precision", args.precision, "--device", args.device,
                *(["--profile"] if args.profile else []),
@@ -247,14 +285,19 @@ def main() -> None:
         rec = json.loads(out.stdout.strip().splitlines()[-1])
         rows.append(rec)
         print(json.dumps(rec), flush=True)
-    faiss_t = next((r["seconds"] for r in rows if r["method"] == "faiss"), None)
     print(f"\nN={args.n} D={args.d} threads={args.threads or 'default'} load={os.getloadavg()[0]:.1f} "
           f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}\n")
-    print("| method | time (s) | x bare faiss k=1000 | peak RSS (MB) | above start (MB) |")
-    print("|---|---|---|---|---|")
-    for r in rows:
+    print("| method | time (s) | x bare faiss k=1000 | x ours (same round) | peak RSS (MB) | above start (MB) |")
+    print("|---|---|---|---|---|---|")
+    per_round = len(args.methods)
+    for i, r in enumerate(rows):
+        this_round = rows[i - i % per_round : i - i % per_round + per_round]
+        faiss_t = next((o["seconds"] for o in this_round if o["method"] == "faiss"), None)
+        ours_t = next((o["seconds"] for o in this_round if o["method"] == "ours"), None)
         ratio = f"{r['seconds'] / faiss_t:.2f}" if faiss_t else "-"
-        print(f"| {r['method']} | {r['seconds']:.1f} | {ratio} | {r['peak_rss_mb']:.0f} | {r['peak_rss_mb'] - r['base_rss_mb']:.0f} |")
+        to_ours = f"{r['seconds'] / ours_t:.2f}" if ours_t else "-"
+        print(f"| {r['method']} | {r['seconds']:.1f} | {ratio} | {to_ours} | {r['peak_rss_mb']:.0f} | "
+              f"{r['peak_rss_mb'] - r['base_rss_mb']:.0f} |")
 
 
 if __name__ == "__main__":

@@ -53,3 +53,94 @@ def brute_metrics(x, labels, recall_at=(1, 2, 4, 8), metric="cosine", query_mask
     out["r_precision"] = sum(rp) / len(rp) if rp else 0.0
     out["map@r"] = sum(ap) / len(ap) if ap else 0.0
     return out
+
+
+# --------------------------------------------------------------------------------------------- general tasks
+def _relevant(labels, q: int, g: int) -> bool:
+    """Same label, or label sets (rows padded with -1) that intersect."""
+    if labels.ndim == 1:
+        return int(labels[q]) == int(labels[g])
+    a = {int(v) for v in labels[q] if int(v) >= 0}
+    b = {int(v) for v in labels[g] if int(v) >= 0}
+    return bool(a & b)
+
+
+def brute_task_rankings(x, labels, metric="cosine", query_mask=None, gallery_mask=None, sequence=None):
+    """Per query (in index order): (query, ranked gallery list, relevance list, R, exact scores list), with the
+    query itself and (with ``sequence``) the items of its sequence removed from its gallery."""
+    n = x.shape[0]
+    s = brute_scores(x, metric)
+    qs = range(n) if query_mask is None else [i for i in range(n) if bool(query_mask[i])]
+    gs = list(range(n)) if gallery_mask is None else [i for i in range(n) if bool(gallery_mask[i])]
+    out = []
+    for q in qs:
+        cand = [
+            g for g in gs
+            if g != q and not (sequence is not None and int(sequence[q]) >= 0 and int(sequence[g]) == int(sequence[q]))
+        ]
+        cand.sort(key=lambda g: (-float(s[q, g]), g))
+        rel = [_relevant(labels, q, g) for g in cand]
+        out.append((q, cand, rel, sum(rel), [float(s[q, g]) for g in cand]))
+    return out
+
+
+def brute_task_metrics(x, labels, recall_at=(1, 2, 4, 8), metric="cosine", query_mask=None, gallery_mask=None,
+                       sequence=None, category=None, precision_at=(), ndcg_at=(), fmrs=()):
+    """Every metric of docs/metrics.md from the definitions, in float64 and Python loops."""
+    import math
+
+    rk = brute_task_rankings(x, labels, metric, query_mask, gallery_mask, sequence)
+
+    def figures(rows):
+        out = {}
+        for k in recall_at:
+            out[f"recall@{k}"] = sum(any(rel[:k]) for _, _, rel, _, _ in rows) / len(rows) if rows else 0.0
+        out["precision@1"] = out.get("recall@1", sum(bool(rel[:1] and rel[0]) for _, _, rel, _, _ in rows) / max(len(rows), 1))
+        for k in precision_at:
+            out[f"precision@{k}"] = sum(sum(rel[:k]) / k for _, _, rel, _, _ in rows) / len(rows) if rows else 0.0
+        out["mrr"] = sum((1 / (rel.index(True) + 1)) if any(rel) else 0.0 for _, _, rel, _, _ in rows) / max(len(rows), 1)
+        with_r = [row for row in rows if row[3] > 0]
+        rp, apr, ap = [], [], []
+        ndcg = {k: [] for k in ndcg_at}
+        for _, _, rel, r, _ in with_r:
+            rp.append(sum(rel[:r]) / r)
+            hits, acc = 0, 0.0
+            for i in range(r):
+                if rel[i]:
+                    hits += 1
+                    acc += hits / (i + 1)
+            apr.append(acc / r)
+            hits, acc = 0, 0.0
+            for i, is_rel in enumerate(rel):
+                if is_rel:
+                    hits += 1
+                    acc += hits / (i + 1)
+            ap.append(acc / r)
+            for k in ndcg_at:
+                dcg = sum(1 / math.log2(i + 2) for i in range(min(k, len(rel))) if rel[i])
+                idcg = sum(1 / math.log2(i + 2) for i in range(min(k, r)))
+                ndcg[k].append(dcg / idcg)
+        out["r_precision"] = sum(rp) / len(rp) if rp else 0.0
+        out["map@r"] = sum(apr) / len(apr) if apr else 0.0
+        out["map"] = sum(ap) / len(ap) if ap else 0.0
+        for k in ndcg_at:
+            out[f"ndcg@{k}"] = sum(ndcg[k]) / len(ndcg[k]) if ndcg[k] else 0.0
+        return out
+
+    out = figures(rk)
+    if category is not None:
+        for c in sorted({int(category[q]) for q, *_ in rk}):
+            if c < 0:
+                continue
+            for key, value in figures([row for row in rk if int(category[row[0]]) == c]).items():
+                out[f"category/{c}/{key}"] = value
+    if fmrs:
+        pos = sorted(sc for _, _, rel, _, scores in rk for is_rel, sc in zip(rel, scores) if is_rel)
+        neg = sorted((sc for _, _, rel, _, scores in rk for is_rel, sc in zip(rel, scores) if not is_rel), reverse=True)
+        for f in fmrs:
+            m = math.floor(f * len(neg))
+            theta = neg[m] if m < len(neg) else -math.inf
+            out[f"fnmr@fmr={f:g}"] = sum(p <= theta for p in pos) / len(pos) if pos else 0.0
+            out[f"threshold@fmr={f:g}"] = theta
+            out[f"_fmr@fmr={f:g}"] = sum(v > theta for v in neg) / len(neg) if neg else 0.0
+    return out

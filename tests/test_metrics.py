@@ -9,10 +9,11 @@ import torch
 
 from lightning_dml.metrics import RetrievalMetrics
 from lightning_dml.metrics import functional as F
-from lightning_dml.metrics._candidates import concat_results, merge_states
-from lightning_dml.metrics._precision import Scorer, tree_sum
 from lightning_dml.metrics import _candidates, _scan
-from lightning_dml.metrics._scan import scan_symmetric
+from lightning_dml.metrics._candidates import SearchRequest, concat_results, merge_states
+from lightning_dml.metrics._ranks import finish, run_search
+from lightning_dml.metrics._scan import initial_state, scan_symmetric
+from lightning_dml.metrics._scores import Scorer, tree_sum
 from tests.metrics_reference import brute_metrics, brute_rankings, brute_scores
 
 KEYS = ("recall@1", "recall@2", "recall@4", "recall@8", "recall@16", "precision@1", "r_precision", "map@r")
@@ -64,9 +65,9 @@ def test_knn_small_chunks_and_many_blocks() -> None:
     """Several query blocks and gallery chunks (and buffers that overflow) give the same exact lists."""
     x, y = _tricky_set(n=300, seed=2)
     ps = F.prepare(x, y)
-    search = F.build_search(ps, precision="fp32", query_block=37, gallery_chunk=23)
+    task, scorer, grid = F.build_search(ps, precision="fp32", query_block=37, gallery_chunk=23)
     ks = (1, 5, 50)
-    res = search.run(30, ks, exact_scores=True)
+    res, _ = run_search(task, scorer, grid, SearchRequest(30, ks, exact_scores=True))
     ref = brute_rankings(x, y)
     for q, cand, rel, _ in ref:
         assert res.neighbors[q].tolist() == cand[:30]
@@ -91,10 +92,10 @@ def test_symmetric_pass_queries_below_the_shared_threshold(monkeypatch: pytest.M
     below = _scan._below_shared
     monkeypatch.setattr(_scan, "_below_shared", lambda *args: sides.append(args[-1]) or below(*args))
     monkeypatch.setattr(_scan, "_SHARED_QUANTILE", 0.25)  # a quarter of each tile's queries lie below it
-    search = F.build_search(F.prepare(x, y), precision="fp32", query_block=32)
-    assert search.use_symmetric()
+    task, scorer, grid = F.build_search(F.prepare(x, y), precision="fp32", query_block=32)
+    assert grid.symmetric(task)
     ks = (1, 5, 50)
-    res = search.run(10, ks, exact_scores=True)
+    res, _ = run_search(task, scorer, grid, SearchRequest(10, ks, exact_scores=True))
     assert {0, 1} <= set(sides)  # both sides of some tiles had queries below the shared threshold
     for q, cand, rel, _ in brute_rankings(x, y):
         assert res.neighbors[q].tolist() == cand[:10], f"query {q}"
@@ -437,29 +438,31 @@ def test_symmetric_tile_pass_equals_brute_force(precision: str) -> None:
     ks = (1, 2, 4, 8, 16)
     ref = brute_metrics(x, y, ks)
     ps = F.prepare(x, y)
-    search = F.build_search(ps, precision=precision, query_block=40)
-    assert search.use_symmetric()
-    k = int(search.num_positives.max())
-    stats = F.retrieval_stats(x, y, rank_ks=ks, precision=precision, query_block=40)
+    task, scorer, grid = F.build_search(ps, precision=precision, query_block=40)
+    assert grid.symmetric(task)
+    k = int(task.num_relevant.max())
+    stats = F.retrieval_stats(x, y, rank_ks=ks, precision=precision, query_block=40, k=k)
     got = F.stats_to_metrics(stats, ks)
     for key in KEYS:
         assert got[key] == pytest.approx(ref[key], abs=1e-12), key
     # three "processes", each with its share of tiles, merged as under DDP
     world = 3
     partial = []
+    request = SearchRequest(k, ks)
     for rank in range(world):
-        st = search.prepare_state(torch.arange(330), k, ks)
-        scan_symmetric(search, st, (rank, world))
+        st = initial_state(task, scorer, torch.arange(330), request)
+        scan_symmetric(task, scorer, grid, st, (rank, world))
         partial.append(st)
     merged = merge_states(partial)
-    res = concat_results([search.finish(merged.select(search.block_rows(b)), k) for b in range(search.num_blocks)], k)
-    single = search.run(k, ks)
+    blocks = range(grid.num_blocks(task))
+    res = concat_results([finish(task, scorer, grid, merged.select(grid.block_rows(task, b)), request) for b in blocks], k)
+    single, _ = run_search(task, scorer, grid, request)
     assert torch.equal(res.first_positive_rank >= 0, single.first_positive_rank >= 0)
     for kk in ks:
         assert torch.equal((res.first_positive_rank >= 0) & (res.first_positive_rank < kk),
                            (single.first_positive_rank >= 0) & (single.first_positive_rank < kk))
     assert torch.equal(res.neighbors >= 0, stats.neighbors >= 0)
-    labels = y[search.g_items[res.neighbors.clamp(min=0)]]
+    labels = y[task.g_items[res.neighbors.clamp(min=0)]]
     assert torch.equal((res.neighbors >= 0) & (labels == y.unsqueeze(1)), stats.relevance)
 
 

@@ -33,3 +33,16 @@ def test_ddp_auto_precision_agreed_when_one_rank_resolves_differently() -> None:
     proc = subprocess.run([sys.executable, SCRIPT, "3", "auto-probe"], capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "DDP-METRICS-OK" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, mode", [(2, "tasks"), (3, "tasks"), (3, "tasks-repair")])
+def test_ddp_own_tasks_equal_single_process(world: int, mode: str) -> None:
+    """Label sets, sequences, categories, overlapping query/gallery sets and every opt-in metric (FNMR@FMR's pair
+    windows merged across processes, and their exact repair when the sample misses, included): == one process
+    under 2 and 3 gloo processes."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, SCRIPT, str(world), mode], capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "DDP-METRICS-OK" in proc.stdout and "fnmr@fmr=0.001" in proc.stdout and "category/a/map" in proc.stdout
+    assert proc.stdout.count("REPAIR-PASS") == (2 * world if mode == "tasks-repair" else 0)  # 2 metrics per rank

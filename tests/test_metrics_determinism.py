@@ -1,6 +1,6 @@
 """No figure depends on the thread count, the tile sizes or the precision of the approximate pass.
 
-Every result of the search is a function of exact float64 scores (``lightning_dml.metrics._search``) and the
+Every result of the search is a function of exact float64 scores (``lightning_dml.metrics._ranks``) and the
 k-means of the clustering metrics runs from a fixed seed; so one set evaluated with 1 and 2 intra-op threads and
 several tile grids (row pass and symmetric tile pass, tiles that do not divide the set), in every precision of the
 approximate pass, must give ``==`` figures.

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_dml.metrics import functional as F
-from lightning_dml.metrics._precision import _U32, Scorer, matmul_mode, round_to_tf32
+from lightning_dml.metrics._scores import _U32, Scorer, matmul_mode, round_to_tf32
 from tests.metrics_reference import brute_metrics, brute_scores
 
 PRECISIONS = ("fp32", "tf32", "bf16")

@@ -1,4 +1,6 @@
-"""Per-query state of the approximate pass: band counters and candidate buffers, and how they merge.
+"""Stage 2 of the exact search, its state: per query the band counters and candidate buffers of the approximate
+pass, the pair-score windows of ``fnmr@fmr``, the word-wise primitives that fill them, and how partial states of
+several gallery chunks, tiles or processes merge.
 
 A candidate buffer holds, per query, the largest approximate scores seen so far with their gallery positions
 (at most ``kc`` of them). Buffers of several gallery chunks, tiles or processes merge by keeping the ``kc``
@@ -9,13 +11,13 @@ harmless: every candidate whose order is uncertain is re-scored exactly, see ``_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
 
 
-def _packable(m: Tensor) -> bool:
+def packable(m: Tensor) -> bool:
     """Whether the bytes of a bool matrix can be read as int64 words (8 columns per word)."""
     return (
         m.device.type == "cpu" and m.ndim == 2 and m.stride(1) == 1 and m.shape[1] % 8 == 0
@@ -30,7 +32,7 @@ def count_true(m: Tensor, dim: int) -> Tensor:
     no carry crosses lanes), then the lanes: 10 to 40 times faster than a byte sum, which torch does not
     vectorise well. Elsewhere (CUDA) a byte sum.
     """
-    if not _packable(m):
+    if not packable(m):
         return m.view(torch.uint8).sum(dim=dim, dtype=torch.int32)
     words = m.view(torch.int64)  # [R, C / 8]
     if dim == 1:
@@ -47,7 +49,7 @@ def true_pairs(m: Tensor, dim: int) -> tuple[Tensor, Tensor]:
     times less to scan than the bytes. Elsewhere: ``nonzero`` restricted to the lines (rows for dim=1, columns
     for dim=0) that hold a True.
     """
-    if _packable(m):
+    if packable(m):
         r, w = m.view(torch.int64).nonzero(as_tuple=True)
         c = (w * 8).unsqueeze(1) + torch.arange(8, device=m.device)
         r = r.unsqueeze(1).expand_as(c)
@@ -77,9 +79,35 @@ def round_up(t: Tensor) -> Tensor:
     return torch.where(f.double() < t, torch.nextafter(f, torch.full_like(f, math.inf)), f)
 
 
+@dataclass(frozen=True)
+class SearchRequest:
+    """What one search computes, beside each query's best positive.
+
+    Attributes:
+        k: length of the exact neighbour lists (0: none).
+        rank_ks: the K for which "rank of the first positive < K" must be exact (Recall@K).
+        exact_scores: neighbour scores all exact (``knn``); else exact where the relevance order needs it.
+        positive_ranks: the exact rank of every positive of every query (``map``, the mean average precision over
+            the whole ranking).
+        fmrs: false match rates at which the exact score threshold over all negative pairs is wanted
+            (``fnmr@fmr``).
+    """
+
+    k: int = 1
+    rank_ks: tuple[int, ...] = (1,)
+    exact_scores: bool = False
+    positive_ranks: bool = False
+    fmrs: tuple[float, ...] = ()
+
+
 @dataclass
 class PassState:
-    """Per-query state of the approximate pass (rows = positions into the query list)."""
+    """Per-query state of the approximate pass (rows = positions into the query list).
+
+    The band of a threshold ``s`` (an exact score) is ``[thr_lo, thr_hi]`` = ``s -+ w`` rounded outwards to
+    float32: an item whose approximate score is above ``thr_hi`` is certainly ranked ahead, one below ``thr_lo``
+    certainly behind; ``lo`` counts the former, ``hi`` both the former and the band.
+    """
 
     rows: Tensor
     w: Tensor  # error bound per query (float64)
@@ -94,24 +122,59 @@ class PassState:
     buf_v: Tensor  # [rows, <=kc] largest approximate scores, descending
     buf_i: Tensor  # their gallery positions
     rank_ks: tuple[int, ...] = ()  # the K whose "rank < K" decisions must be exact
+    # every positive (SearchRequest.positive_ranks): [rows, T] ascending by exact score, padded with -inf / -1
+    pos_s: Tensor | None = None  # exact scores
+    pos_g: Tensor | None = None  # gallery positions
+    pos_lo_thr: Tensor | None = None  # float32 bands (padding: +inf, never reached)
+    pos_hi_thr: Tensor | None = None
+    pos_lo: Tensor | None = None  # counts per positive, as lo / hi above
+    pos_hi: Tensor | None = None
+
+    _PER_ROW = ("rows", "w", "has", "s_best", "p_best", "thr_lo", "thr_hi", "lo", "hi", "buf_v", "buf_i", "pos_s",
+                "pos_g", "pos_lo_thr", "pos_hi_thr", "pos_lo", "pos_hi")
 
     def select(self, rows: Tensor) -> PassState:
         """The state of a subset of rows (``rows`` index into this state's rows)."""
+        return replace(self, **{f: None if getattr(self, f) is None else getattr(self, f)[rows] for f in self._PER_ROW})
 
-        def sel(t: Tensor | None) -> Tensor | None:
-            return None if t is None else t[rows]
+    def with_counts(self, counts: dict[str, Tensor]) -> PassState:
+        """The same queries with other counters and buffers (those of another process): keys of :attr:`COUNTS`."""
+        return replace(self, **counts)
 
-        return PassState(
-            self.rows[rows], self.w[rows], self.has[rows], sel(self.s_best), sel(self.p_best), sel(self.thr_lo),
-            sel(self.thr_hi), self.lo[rows], self.hi[rows], self.kc, self.buf_v[rows], self.buf_i[rows],
-            self.rank_ks,
-        )
+    #: the fields a process fills during the pass (merged over processes by :func:`merge_states`)
+    COUNTS = ("lo", "hi", "buf_v", "buf_i", "pos_lo", "pos_hi")
 
-    def with_counts(self, lo: Tensor, hi: Tensor, buf_v: Tensor, buf_i: Tensor) -> PassState:
-        """The same queries with other counters and buffers (those of another process)."""
-        return PassState(
-            self.rows, self.w, self.has, self.s_best, self.p_best, self.thr_lo, self.thr_hi, lo, hi, self.kc,
-            buf_v, buf_i, self.rank_ks,
+    def counts(self) -> dict[str, Tensor]:
+        """The fields of :attr:`COUNTS` that are set."""
+        return {f: getattr(self, f) for f in self.COUNTS if getattr(self, f) is not None}
+
+
+@dataclass
+class PairWindows:
+    """Exact-score windows over all (query, gallery) pairs, one per false match rate (``fnmr@fmr``).
+
+    For window ``i`` = ``[low[i], high[i]]`` (exact scores) and a bound ``W`` on every pair's approximation error,
+    the pass counts the pairs whose approximate score is above ``high[i] + W`` (``above[i]``: their exact score is
+    certainly above the window) and collects those with approximate score in ``[low[i] - W, high[i] + W]`` (every
+    pair whose exact score lies in the window is among them). Every exact count ``#{S > v}`` with ``v`` in the
+    window is then ``above[i]`` + the collected pairs' exact count. Excluded pairs are never counted.
+    """
+
+    low: Tensor  # float64 [m]
+    high: Tensor  # float64 [m]
+    cut_above: Tensor  # float32 [m]: approx > cut_above[i] counts as above window i
+    cut_below: Tensor  # float32 [m]: approx >= cut_below[i] (and not above) is collected
+    above: Tensor  # int64 [m]
+    q_rows: list[Tensor]  # collected pairs: query rows, gallery positions, window index
+    gpos: list[Tensor]
+    window: list[Tensor]
+
+    def merged(self, others: list[PairWindows]) -> PairWindows:
+        """These windows with the counts and collections of other processes added."""
+        return replace(
+            self, above=sum((o.above for o in others), self.above.clone()),
+            q_rows=[t for o in [self, *others] for t in o.q_rows], gpos=[t for o in [self, *others] for t in o.gpos],
+            window=[t for o in [self, *others] for t in o.window],
         )
 
 
@@ -123,15 +186,17 @@ class SearchResult:
         neighbors: ``(Q, k)`` gallery positions (into ``g_items``) of the k nearest neighbours, in rank
             order under the tie rule; ``-1`` where the gallery has fewer than k items.
         scores: ``(Q, k)`` exact float64 scores of those neighbours (``-inf`` for padding).
-        first_positive_rank: ``(Q,)`` number of gallery items ranked ahead of the query's best same-label
-            item, ``-1`` when the query has no same-label item in the gallery.
-        num_positives: ``(Q,)`` number of same-label gallery items (the query itself excluded): R.
+        first_positive_rank: ``(Q,)`` number of gallery items ranked ahead of the query's best positive,
+            ``-1`` when the query has no positive.
+        num_positives: ``(Q,)`` number of positives (relevant, not excluded): R.
+        positive_ranks: ``(Q, T)`` exact rank (items ahead) of each positive, ascending, ``-1`` padding; or None.
     """
 
     neighbors: Tensor
     scores: Tensor
     first_positive_rank: Tensor
     num_positives: Tensor
+    positive_ranks: Tensor | None = None
 
 
 def concat_results(parts: list[SearchResult], k: int, device: torch.device | None = None) -> SearchResult:
@@ -143,11 +208,17 @@ def concat_results(parts: list[SearchResult], k: int, device: torch.device | Non
             torch.empty(0, dtype=torch.long, device=device),
             torch.empty(0, dtype=torch.long, device=device),
         )
+    ranks = None
+    if parts[0].positive_ranks is not None:
+        width = max(p.positive_ranks.shape[1] for p in parts)
+        ranks = torch.cat([torch.nn.functional.pad(p.positive_ranks, (0, width - p.positive_ranks.shape[1]), value=-1)
+                           for p in parts])
     return SearchResult(
         torch.cat([p.neighbors for p in parts]),
         torch.cat([p.scores for p in parts]),
         torch.cat([p.first_positive_rank for p in parts]),
         torch.cat([p.num_positives for p in parts]),
+        ranks,
     )
 
 
@@ -231,15 +302,14 @@ def merge_chunk(buf_v: Tensor, buf_i: Tensor, a: Tensor, c0: int, kc: int, m: Te
 def merge_states(states: list[PassState]) -> PassState:
     """Combine the partial counters and candidate buffers of several processes (same rows, same order)."""
     base = states[0]
-    lo = sum((s.lo for s in states[1:]), base.lo.clone())
-    hi = sum((s.hi for s in states[1:]), base.hi.clone())
-    kc = base.kc
-    if kc > 0:
+    counts = {}
+    for name in ("lo", "hi", "pos_lo", "pos_hi"):
+        if getattr(base, name) is not None:
+            counts[name] = sum((getattr(s, name) for s in states[1:]), getattr(base, name).clone())
+    if base.kc > 0:
         v = torch.cat([s.buf_v for s in states], dim=1)
         i = torch.cat([s.buf_i for s in states], dim=1)
-        width = min(kc, v.shape[1])
+        width = min(base.kc, v.shape[1])
         v, j = v.topk(width, dim=1)
-        i = i.gather(1, j)
-    else:
-        v, i = base.buf_v, base.buf_i
-    return base.with_counts(lo, hi, v, i)
+        counts["buf_v"], counts["buf_i"] = v, i.gather(1, j)
+    return base.with_counts(counts)

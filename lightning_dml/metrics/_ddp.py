@@ -16,10 +16,36 @@ from typing import Any
 import torch
 
 from lightning_dml.distributed import all_gather_uneven, get_rank, get_world_size
-from lightning_dml.metrics._candidates import SearchResult, concat_results, merge_states
+from lightning_dml.metrics._candidates import (
+    PairWindows,
+    SearchRequest,
+    SearchResult,
+    concat_results,
+    merge_states,
+)
 from lightning_dml.metrics._device import PRECISIONS, _Threads
-from lightning_dml.metrics._scan import scan_symmetric
-from lightning_dml.metrics._search import ExactSearch
+from lightning_dml.metrics._ranks import (
+    PairThresholds,
+    pairs_pass,
+    finish,
+    guaranteed_windows,
+    pair_bound,
+    pair_totals,
+    resolve_windows,
+    sorted_positive_scores,
+    thresholds_of,
+)
+from lightning_dml.metrics._scan import (
+    Grid,
+    histogram_pass,
+    initial_state,
+    make_windows,
+    plan_windows,
+    scan_rows,
+    scan_symmetric,
+)
+from lightning_dml.metrics._scores import Scorer
+from lightning_dml.metrics._task import RetrievalTask
 
 
 #: codes of the precisions in the settings gathered by :func:`agree_search_settings`, most precise first
@@ -68,37 +94,96 @@ def agree_search_settings(
     return precision, (min(r[3] for r in table), min(r[4] for r in table))
 
 
+def _gather_windows(windows: PairWindows, group: Any) -> PairWindows:
+    """Windows with the counts and collected pairs of every process."""
+    dev = windows.above.device
+    empty = torch.empty(0, dtype=torch.long, device=dev)
+    q = torch.cat(windows.q_rows) if windows.q_rows else empty
+    g = torch.cat(windows.gpos) if windows.gpos else empty
+    w = torch.cat(windows.window) if windows.window else empty
+    (above,) = all_gather_uneven(windows.above.unsqueeze(0), group=group)
+    qs, gs, ws = all_gather_uneven(q, g, w, group=group)
+    total = torch.cat(above).sum(dim=0)
+    return PairWindows(windows.low, windows.high, windows.cut_above, windows.cut_below, total, qs, gs, ws)
+
+
+def _agreed_windows(windows: PairWindows, bound: float, group: Any) -> PairWindows:
+    """Rank 0's windows on every process (the sample's approximate scores may differ in their last bits between
+    processes; the windows only need to be the same everywhere, not to be any particular ones)."""
+    (edges,) = all_gather_uneven(torch.stack([windows.low, windows.high]).unsqueeze(0), group=group)
+    low, high = edges[0][0]
+    return make_windows(low.tolist(), high.tolist(), bound, windows.low.device)
+
+
+def _windows_pass(
+    task: RetrievalTask, scorer: Scorer, grid: Grid, windows: PairWindows, part: tuple[int, int], group: Any
+) -> PairWindows:
+    pairs_pass(task, scorer, grid, windows, part)
+    return _gather_windows(windows, group)
+
+
 def run_distributed(
-    search: ExactSearch, k: int, rank_ks: tuple[int, ...], group: Any = None, exact_scores: bool = False
-) -> SearchResult:
-    """Multi-process search: every process gets the result for all queries, identical everywhere.
-
-    Every process must hold the same ``search`` (same embeddings, items and tile sizes).
-    """
+    task: RetrievalTask, scorer: Scorer, grid: Grid, request: SearchRequest, group: Any = None
+) -> tuple[SearchResult, PairThresholds | None]:
+    """Multi-process search: every process gets the result for all queries (and the pair thresholds), identical
+    everywhere. Every process must hold the same task, scorer inputs and grid (:func:`agree_search_settings`)."""
     rank, world = get_rank(group), get_world_size(group)
-    dev = search.device
-    mine = list(range(rank, search.num_blocks, world))
+    dev = task.device
+    if request.positive_ranks:
+        request = SearchRequest(request.k, (), request.exact_scores, True, request.fmrs)
+    nb = grid.num_blocks(task)
+    mine = list(range(rank, nb, world))
     with _Threads(1):
-        if search.use_symmetric():
-            st = search.prepare_state(torch.arange(search.q_items.numel(), device=dev), k, rank_ks)
-            scan_symmetric(search, st, (rank, world))
-            width = st.kc
-            buf_v = torch.nn.functional.pad(st.buf_v, (0, width - st.buf_v.shape[1]), value=-math.inf)
-            buf_i = torch.nn.functional.pad(st.buf_i, (0, width - st.buf_i.shape[1]), value=0)
-            lo, hi, vs, is_ = all_gather_uneven(st.lo, st.hi, buf_v, buf_i, group=group)
-            merged = merge_states([st.with_counts(*p) for p in zip(lo, hi, vs, is_)])
-            parts = [search.finish(merged.select(search.block_rows(b)), k, exact_scores) for b in mine]
+        windows = pos_sorted = None
+        if request.fmrs:
+            pos_sorted = sorted_positive_scores(task, scorer)
+            bound = pair_bound(task, scorer)
+            windows = plan_windows(task, scorer, grid, request.fmrs, pair_totals(task)[1], bound)
+            windows = _agreed_windows(windows, bound, group)
+        if grid.symmetric(task):
+            st = initial_state(task, scorer, torch.arange(task.q_items.numel(), device=dev), request)
+            scan_symmetric(task, scorer, grid, st, (rank, world), windows)
+            counts = st.counts()
+            if st.kc > 0:
+                pad = st.kc - st.buf_v.shape[1]
+                counts["buf_v"] = torch.nn.functional.pad(st.buf_v, (0, pad), value=-math.inf)
+                counts["buf_i"] = torch.nn.functional.pad(st.buf_i, (0, pad), value=0)
+            names = list(counts)
+            gathered = all_gather_uneven(*(counts[n] for n in names), group=group)
+            merged = merge_states([st.with_counts(dict(zip(names, p))) for p in zip(*gathered)])
+            parts = [finish(task, scorer, grid, merged.select(grid.block_rows(task, b)), request) for b in mine]
         else:
-            parts = [search.run_block(b, k, rank_ks, exact_scores) for b in mine]
-    res = concat_results(parts, k, dev)
-    rows = torch.cat([search.block_rows(b) for b in mine]) if mine else torch.empty(0, dtype=torch.long, device=dev)
-    g_rows, g_nb, g_sc, g_rank, g_npos = all_gather_uneven(
-        rows, res.neighbors, res.scores, res.first_positive_rank, res.num_positives, group=group
-    )
+            parts = []
+            for b in mine:
+                st = initial_state(task, scorer, grid.block_rows(task, b), request)
+                scan_rows(task, scorer, grid, st, windows)
+                parts.append(finish(task, scorer, grid, st, request))
+        pairs = None
+        if request.fmrs:
+            windows = _gather_windows(windows, group)
+            figures = resolve_windows(task, scorer, windows, request.fmrs, pos_sorted)
+            if any(f is None for f in figures):  # the same answer on every process: the windows are merged
+                (hist,) = all_gather_uneven(histogram_pass(task, scorer, grid, (rank, world)).unsqueeze(0), group=group)
+                windows = guaranteed_windows(torch.cat(hist).sum(dim=0), request.fmrs, task, pos_sorted, bound)
+                windows = _windows_pass(task, scorer, grid, windows, (rank, world), group)
+                figures = resolve_windows(task, scorer, windows, request.fmrs, pos_sorted)
+            pairs = thresholds_of(request.fmrs, figures, task)
+    res = concat_results(parts, request.k, dev)
+    rows = torch.cat([grid.block_rows(task, b) for b in mine]) if mine else torch.empty(0, dtype=torch.long, device=dev)
+    fields = [res.neighbors, res.scores, res.first_positive_rank, res.num_positives]
+    if res.positive_ranks is not None or (request.positive_ranks and not mine):
+        width = max(1, int(task.num_relevant.max())) if task.num_relevant.numel() else 1
+        ranks = res.positive_ranks if res.positive_ranks is not None else torch.empty(0, width, dtype=torch.long, device=dev)
+        fields.append(torch.nn.functional.pad(ranks, (width - ranks.shape[1], 0), value=-1))
+    if not mine:  # an idle process still takes part in the collective with well-shaped empty blocks
+        fields[0] = fields[0].reshape(0, request.k)
+        fields[1] = fields[1].reshape(0, request.k)
+    g_rows, *g_fields = all_gather_uneven(rows, *fields, group=group)
     order = torch.cat(g_rows)
-    out = SearchResult(*(torch.empty_like(torch.cat(t)) for t in (g_nb, g_sc, g_rank, g_npos)))
-    fields = (out.neighbors, out.scores, out.first_positive_rank, out.num_positives)
-    for dst, src in zip(fields, (g_nb, g_sc, g_rank, g_npos)):
-        dst[order] = torch.cat(src)
-    return out
-
+    out = []
+    for src in g_fields:
+        cat = torch.cat(src)
+        dst = torch.empty_like(cat)
+        dst[order] = cat
+        out.append(dst)
+    return SearchResult(*out), pairs

@@ -1,28 +1,33 @@
-"""Functional retrieval and clustering metrics on plain tensors: the library's one evaluation pipeline.
+"""Functional retrieval metrics on plain tensors: the library's one evaluation pipeline.
 
-Definitions (SPEC section 9.3; the retrieval protocol of Song et al., CVPR 2016, and the metrics of Musgrave,
-Belongie & Lim, *A Metric Learning Reality Check*, ECCV 2020):
+Definitions (``docs/metrics.md``; SPEC section 9.3; the retrieval protocol of Song et al., CVPR 2016, and the
+metrics of Musgrave, Belongie & Lim, *A Metric Learning Reality Check*, ECCV 2020):
 
-* **Recall@K**: fraction of queries with at least one same-class item among their K nearest neighbours. In
-  all-vs-all mode each query is removed from its own ranking (by index). Every query counts; a query with no
-  other item of its class scores 0.
-* **Precision@1**: fraction of queries whose nearest neighbour has their class (equals Recall@1).
-* **R-Precision**: for a query with R same-class gallery items, the fraction of them among its R nearest
-  neighbours. **MAP@R**: ``(1/R) sum_{i<=R} P(i) rel(i)``. Queries with R = 0 are excluded from both.
-* **NMI**: normalised mutual information with arithmetic-mean normalisation (Manning et al.; scikit-learn's
-  default) between the class labels and a k-means clustering with k = number of classes.
-* **F1** (Song et al. 2016): pairwise precision/recall of "same cluster" against "same class", from the
-  contingency counts.
+* **Recall@K**: fraction of queries with at least one relevant item among their K nearest neighbours. Every
+  query counts; a query with no relevant item scores 0. **Precision@1** equals Recall@1.
+* **Precision@K**: relevant items among the K nearest neighbours, divided by K (every query counts).
+* **MRR**: mean of ``1 / (rank of the first relevant item + 1)`` over the whole ranking (0 without one).
+* **R-Precision**, **MAP@R** (Musgrave et al. 2020), **NDCG@K** (binary gains, log2 discount) and **MAP** (mean
+  average precision over the whole ranking): averaged over the queries with R > 0.
+* **FNMR@FMR** (verification): over all (query, gallery) pairs, the threshold at which the false match rate over
+  every negative pair is at most the given rate, and the false non-match rate over every positive pair there.
 
-Ranking: cosine similarity of L2-normalised embeddings (default) or Euclidean distance. **Tie rule**: at equal
-exact (float64) score, the gallery item with the smaller index in the split ranks first. Neighbour lists and
-ranks are exact (those of a float64 brute force); see :mod:`lightning_dml.metrics._search`. Everything computes on
-the device of the embeddings unless ``device`` says otherwise.
+**Relevance**: labels ``[N]`` (same label) or label sets ``[N, L]`` padded with -1 (the sets intersect).
+**Exclusion**: a query never matches itself (by position); with ``sequence`` ids, gallery items of the query's
+sequence are ignored (neither relevant nor irrelevant). **Categories**: ``category`` ids add every metric per
+category of the queries (``category/<name>/<metric>``).
+
+Ranking: cosine similarity of L2-normalised embeddings (default) or Euclidean distance. **Tie rule**: at equal exact
+(float64) score, the gallery item with the smaller index in the split ranks first. Everything is exact (equal to a
+float64 brute force) and computed on the device of the embeddings unless ``device`` says otherwise.
+
+The pipeline, one stage per module: the task (``_task``: relevance, exclusions) -> score tiles (``_scores``) ->
+candidates (``_scan`` filling ``_candidates``) -> exact ranks (``_ranks``; ``_ddp`` under DDP) -> per-query statistics
+(``_statistics``) -> metrics (here). Clustering metrics: :mod:`lightning_dml.metrics.clustering`.
 """
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,15 +36,18 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_dml.distributed import all_gather_object, get_rank, get_world_size
-from lightning_dml.input_checks import check_embeddings, check_finite, check_labels, check_per_row, check_same_device
+from lightning_dml.distributed import get_rank, get_world_size
+from lightning_dml.input_checks import check_embeddings, check_finite, check_per_row, check_same_device
+from lightning_dml.metrics._candidates import SearchRequest
 from lightning_dml.metrics._ddp import agree_search_settings, run_distributed
 from lightning_dml.metrics._device import resolve_precision, tile_sizes
-from lightning_dml.metrics._precision import Scorer
-from lightning_dml.metrics._progress import track
-from lightning_dml.metrics._search import ExactSearch
+from lightning_dml.metrics._ranks import run_search
+from lightning_dml.metrics._scan import Grid
+from lightning_dml.metrics._scores import Scorer
+from lightning_dml.metrics._statistics import MetricName, RetrievalStats, parse_metric, reduce_metrics
+from lightning_dml.metrics._task import RetrievalTask
+from lightning_dml.metrics.clustering import clustering_metrics, contingency, f1_score, nmi
 from lightning_dml.metrics.kmeans import kmeans
-from lightning_dml.scaling import l2_normalize
 
 __all__ = [
     "PreparedSet",
@@ -52,6 +60,7 @@ __all__ = [
     "kmeans",
     "knn",
     "map_at_r",
+    "metric_names",
     "nmi",
     "precision_at_1",
     "prepare",
@@ -64,21 +73,44 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------------------------- validation
+def check_labels_or_sets(labels: object, length: int, *, where: str) -> None:
+    """``labels``: ``[N]`` integer class ids, or ``[N, L]`` integer label sets padded with -1 (values >= -1)."""
+    if isinstance(labels, Tensor) and labels.ndim == 2:
+        if labels.shape[0] != length:
+            raise ValueError(f"{where}: labels has {labels.shape[0]} rows but embeddings has {length} rows")
+        if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+            raise ValueError(f"{where}: label sets must be an integer tensor, got dtype {labels.dtype}")
+        if labels.shape[1] == 0:
+            raise ValueError(f"{where}: label sets [N, L] need L >= 1 columns, got shape {tuple(labels.shape)}")
+        if labels.numel() and int(labels.min()) < -1:
+            raise ValueError(
+                f"{where}: label sets hold labels >= 0 padded with -1, got {int(labels.min())} (row "
+                f"{int((labels < -1).any(dim=1).nonzero()[0])})"
+            )
+        return
+    check_per_row(labels, length, "labels", kind="integer", where=where)
+
+
 def check_inputs(
     embeddings: Tensor,
     labels: Tensor,
     indices: Tensor | None = None,
     query_mask: Tensor | None = None,
     gallery_mask: Tensor | None = None,
+    sequence: Tensor | None = None,
+    category: Tensor | None = None,
     *,
     where: str = "inputs",
 ) -> None:
     """Raise ``ValueError`` naming the problem for malformed metric inputs (:mod:`lightning_dml.input_checks`)."""
     check_embeddings(embeddings, where=where, allow_empty=True)
     n = embeddings.shape[0]
-    check_labels(labels, n, where=where)
+    check_labels_or_sets(labels, n, where=where)
     check_finite(embeddings, where=where)
-    for name, t, kind in (("indices", indices, "integer"), ("query_mask", query_mask, "bool"), ("gallery_mask", gallery_mask, "bool")):
+    for name, t, kind in (
+        ("indices", indices, "integer"), ("query_mask", query_mask, "bool"), ("gallery_mask", gallery_mask, "bool"),
+        ("sequence", sequence, "integer"), ("category", category, "integer"),
+    ):
         if t is not None:
             check_per_row(t, n, name, kind=kind, where=where)
             check_same_device(t, embeddings, name, where=where)
@@ -87,17 +119,30 @@ def check_inputs(
         raise ValueError(f"{where}: give both query_mask and gallery_mask (In-Shop mode) or neither (all-vs-all)")
 
 
-def _check_options(recall_at: Sequence[int], metric: str) -> None:
-    for k in recall_at:
-        if int(k) < 1:
-            raise ValueError(f"recall_at values must be >= 1, got {k}")
-    if metric not in ("cosine", "euclidean"):
-        raise ValueError(f"metric must be 'cosine' or 'euclidean', got {metric!r}")
-
-
 def compute_device(embeddings: Tensor, device: torch.device | str | None = None) -> torch.device:
     """The device the metrics compute on: ``device`` when given, else where the embeddings are."""
     return embeddings.device if device is None else torch.device(device)
+
+
+def metric_names(
+    recall_at: Sequence[int] = (1, 2, 4, 8), map_at_r: bool = True, metrics: Sequence[str] = ()
+) -> list[MetricName]:
+    """The metrics of a call: ``recall@K`` for each K, ``precision@1``, with ``map_at_r`` ``r_precision`` and
+    ``map@r``, then the opt-in ``metrics`` by name (``precision@K``, ``ndcg@K``, ``mrr``, ``map``, ``fnmr@fmr=F``);
+    duplicates once."""
+    for k in recall_at:
+        if int(k) < 1:
+            raise ValueError(f"recall_at values must be >= 1, got {k}")
+    names = [f"recall@{int(k)}" for k in recall_at] + ["precision@1"]
+    if map_at_r:
+        names += ["r_precision", "map@r"]
+    if isinstance(metrics, str):
+        metrics = [metrics]
+    out: dict[str, MetricName] = {}
+    for name in [*names, *metrics]:
+        m = parse_metric(name)
+        out.setdefault(m.key, m)
+    return list(out.values())
 
 
 @dataclass
@@ -105,10 +150,12 @@ class PreparedSet:
     """Evaluation set on its compute device, rows sorted by their (unique) index in the split."""
 
     embeddings: Tensor  # float32 [N, D]
-    labels: Tensor  # int64 [N]
+    labels: Tensor  # int64 [N] or [N, L] label sets padded with -1
     indices: Tensor  # int64 [N], strictly increasing
     query_mask: Tensor | None
     gallery_mask: Tensor | None
+    sequence: Tensor | None = None  # int64 [N], negative: no sequence
+    category: Tensor | None = None  # int64 [N], negative: no category
 
 
 def prepare(
@@ -118,6 +165,8 @@ def prepare(
     query_mask: Tensor | None = None,
     gallery_mask: Tensor | None = None,
     *,
+    sequence: Tensor | None = None,
+    category: Tensor | None = None,
     device: torch.device | str | None = None,
     validate: bool = True,
 ) -> PreparedSet:
@@ -127,57 +176,37 @@ def prepare(
     calls the functional core); a repeated index raises ``ValueError``.
     """
     if validate:
-        check_inputs(embeddings, labels, indices, query_mask, gallery_mask)
+        check_inputs(embeddings, labels, indices, query_mask, gallery_mask, sequence, category)
     dev = compute_device(embeddings, device)
     x = embeddings.detach().to(dev, torch.float32)
-    y = labels.detach().to(dev, torch.long)
     n = x.shape[0]
     if n == 0:
         raise ValueError("no samples to evaluate: the metric received 0 embeddings")
     if not bool(torch.isfinite(x).all()):
         raise ValueError("embeddings overflow float32 (values beyond +-3.4e38 became Inf)")
-    qm = None if query_mask is None else query_mask.detach().to(dev)
-    gm = None if gallery_mask is None else gallery_mask.detach().to(dev)
+    rest = [None if t is None else t.detach().to(dev) for t in (labels, query_mask, gallery_mask, sequence, category)]
+    rest[0] = rest[0].long()
+    for i in (3, 4):
+        rest[i] = None if rest[i] is None else rest[i].long()
     if indices is None:
-        return PreparedSet(x.contiguous(), y, torch.arange(n, device=dev), qm, gm)
+        return PreparedSet(x.contiguous(), rest[0], torch.arange(n, device=dev), *rest[1:])
     idx = indices.detach().to(dev, torch.long)
     order = torch.argsort(idx, stable=True)
-    idx, x, y = idx[order], x[order], y[order]
+    idx = idx[order]
     repeated = (idx[1:] == idx[:-1]).nonzero()
     if repeated.numel():
         raise ValueError(
             f"index {int(idx[int(repeated[0, 0])])} appears more than once; indices must be unique "
             "(RetrievalMetrics removes identical DistributedSampler padding copies before computing)"
         )
-    qm = None if qm is None else qm[order]
-    gm = None if gm is None else gm[order]
-    return PreparedSet(x.contiguous(), y, idx, qm, gm)
+    x = x[order]
+    rest = [None if t is None else t[order] for t in rest]
+    return PreparedSet(x.contiguous(), rest[0], idx, *rest[1:])
 
 
 # --------------------------------------------------------------------------------------------- retrieval
-@dataclass
-class RetrievalStats:
-    """Per-query exact retrieval statistics (queries in increasing split-index order).
-
-    Attributes:
-        first_positive_rank: number of gallery items ranked ahead of the best same-class item; -1 if none.
-        num_relevant: R, the number of same-class gallery items (query excluded).
-        relevance: ``[Q, k]`` bool, whether each of the k nearest neighbours has the query's class.
-        neighbors: ``[Q, k]`` row positions (into the prepared set) of the neighbours, -1 for padding.
-        scores: ``[Q, k]`` float64 scores of the neighbours (exact where their order needed it).
-        query_rows: ``[Q]`` row positions of the queries in the prepared set.
-    """
-
-    first_positive_rank: Tensor
-    num_relevant: Tensor
-    relevance: Tensor
-    neighbors: Tensor
-    scores: Tensor
-    query_rows: Tensor
-
-
 def _items(ps: PreparedSet) -> tuple[Tensor, Tensor]:
-    n = ps.labels.numel()
+    n = ps.labels.shape[0]
     if ps.query_mask is None:
         all_items = torch.arange(n, device=ps.labels.device)
         return all_items, all_items
@@ -200,8 +229,8 @@ def build_search(
     tile_memory: int | None = None,
     distributed: bool = False,
     process_group: Any = None,
-) -> ExactSearch:
-    """Set up the chunked exact search over a prepared set, on the set's device.
+) -> tuple[RetrievalTask, Scorer, Grid]:
+    """Set up the exact search over a prepared set, on the set's device: the task, the scorer, the tile grid.
 
     Tile sizes: explicit ``query_block`` / ``gallery_chunk``, else from ``tile_memory`` bytes, else from the free
     memory of the device (:func:`lightning_dml.metrics._device.tile_sizes`). With ``distributed`` the processes
@@ -209,6 +238,8 @@ def build_search(
     the most precise of the per-process ``"auto"`` resolutions, the smallest tiles; different requested precisions,
     metrics or set shapes are a ``ValueError`` on every process).
     """
+    if metric not in ("cosine", "euclidean"):
+        raise ValueError(f"metric must be 'cosine' or 'euclidean', got {metric!r}")
     x = ps.embeddings
     if metric == "cosine":
         zero = (x == 0).all(dim=1)
@@ -224,7 +255,20 @@ def build_search(
         resolved, (qb, gc) = agree_search_settings(
             precision, resolved, metric, (qb, gc), tuple(x.shape), x.device, process_group
         )
-    return ExactSearch(Scorer(x, metric, resolved), ps.labels, q, g, query_block=qb, gallery_chunk=gc)
+    task = RetrievalTask(ps.labels, q, g, ps.sequence)
+    return task, Scorer(x, metric, resolved), Grid(qb, gc)
+
+
+def _list_length(names: Sequence[MetricName], task: RetrievalTask) -> int:
+    """Neighbour-list length the metrics need: the largest R for MAP@R / R-Precision, the K of Precision@K and
+    NDCG@K; at least 1."""
+    k = 1
+    for m in names:
+        if m.kind in ("map@r", "r_precision") and task.num_relevant.numel():
+            k = max(k, int(task.num_relevant.max()))
+        elif m.kind in ("precision", "ndcg"):
+            k = max(k, m.k)
+    return k
 
 
 def retrieval_stats(
@@ -234,9 +278,12 @@ def retrieval_stats(
     indices: Tensor | None = None,
     query_mask: Tensor | None = None,
     gallery_mask: Tensor | None = None,
+    sequence: Tensor | None = None,
+    category: Tensor | None = None,
     metric: str = "cosine",
     k: int | None = None,
     rank_ks: Sequence[int] = (1,),
+    metrics: Sequence[str | MetricName] = (),
     precision: str = "auto",
     device: torch.device | str | None = None,
     query_block: int | None = None,
@@ -246,16 +293,21 @@ def retrieval_stats(
     process_group: Any = None,
     validate: bool = True,
 ) -> RetrievalStats:
-    """Exact per-query statistics: rank of the best same-class item and the k-nearest-neighbour relevance.
+    """Exact per-query statistics: rank of the first relevant item, R, the k-nearest-neighbour relevance (and, as
+    ``metrics`` need them, the rank of every relevant item and the exact pair thresholds of ``fnmr@fmr``).
 
-    The evaluation pipeline (prepare -> exact search -> statistics); :func:`retrieval_metrics` and
+    The evaluation pipeline (prepare -> task -> exact search -> statistics); :func:`retrieval_metrics` and
     ``RetrievalMetrics`` reduce its output to the metric dictionary.
 
     Args:
-        k: length of the neighbour lists; default = the largest R (what MAP@R needs), at least 1.
+        sequence: ``[N]`` sequence ids: gallery items sharing the query's (non-negative) id are ignored for it.
+        category: ``[N]`` category ids, kept per query in the statistics (for per-category metrics).
+        k: length of the neighbour lists; default = what ``metrics`` need (at least 1).
         rank_ks: the K values for which ``first_positive_rank < K`` must be decided exactly (Recall@K).
             The reported rank is exact where the approximate pass leaves it ambiguous for one of these K;
-            elsewhere it is a lower bound on the same side of every K as the exact rank.
+            elsewhere it is a lower bound on the same side of every K as the exact rank (exact everywhere with
+            ``map`` among the metrics).
+        metrics: metric names (or parsed names) whose statistics to compute (see :func:`metric_names`).
         precision: approximate-pass precision, ``"auto"``, ``"fp32"``, ``"tf32"`` or ``"bf16"`` (results are exact
             in every case; see :func:`lightning_dml.metrics._device.resolve_precision`).
         device: compute device; default where the embeddings are (``"cpu"`` forces the host).
@@ -266,76 +318,32 @@ def retrieval_stats(
         process_group: the process group of ``distributed`` (default group when None).
         validate: check the inputs (``False`` when the caller checked them already).
     """
-    ps = prepare(embeddings, labels, indices, query_mask, gallery_mask, device=device, validate=validate)
-    search = build_search(
+    ps = prepare(
+        embeddings, labels, indices, query_mask, gallery_mask, sequence=sequence, category=category, device=device,
+        validate=validate,
+    )
+    task, scorer, grid = build_search(
         ps, metric=metric, precision=precision, query_block=query_block, gallery_chunk=gallery_chunk,
         tile_memory=tile_memory, distributed=distributed, process_group=process_group,
     )
-    if k is None:
-        k = max(1, int(search.num_positives.max()))
-    ks = tuple(sorted({int(v) for v in rank_ks}))
+    names = [m if isinstance(m, MetricName) else parse_metric(m) for m in metrics]
+    request = SearchRequest(
+        k=_list_length(names, task) if k is None else int(k),
+        rank_ks=tuple(sorted({int(v) for v in rank_ks})),
+        positive_ranks=any(m.kind == "map" for m in names),
+        fmrs=tuple(sorted({m.fmr for m in names if m.kind == "fnmr@fmr"})),
+    )
     if distributed and get_world_size(process_group) > 1:
-        res = run_distributed(search, int(k), ks, process_group)
+        res, pairs = run_distributed(task, scorer, grid, request, process_group)
     else:
-        res = search.run(int(k), ks)
-    nb = torch.where(res.neighbors >= 0, search.g_items[res.neighbors.clamp(min=0)], res.neighbors)
-    q_rows = search.q_items
-    rel = (nb >= 0) & (ps.labels[nb.clamp(min=0)] == ps.labels[q_rows].unsqueeze(1))
-    return RetrievalStats(res.first_positive_rank, res.num_positives, rel, nb, res.scores, q_rows)
-
-
-def recall_at_k(first_positive_rank: Tensor, k: int) -> float:
-    """Recall@K from the per-query rank of the best same-class item (-1 = none: scores 0)."""
-    if first_positive_rank.numel() == 0:
-        raise ValueError("recall_at_k: no queries")
-    hit = (first_positive_rank >= 0) & (first_positive_rank < k)
-    return float(hit.double().mean())
-
-
-def precision_at_1(first_positive_rank: Tensor) -> float:
-    """Precision@1 over all queries: the nearest neighbour has the query's class (= Recall@1)."""
-    return recall_at_k(first_positive_rank, 1)
-
-
-def _r_mask(relevance: Tensor, num_relevant: Tensor) -> tuple[Tensor, Tensor]:
-    keep = num_relevant > 0
-    rel = relevance[keep]
-    r = num_relevant[keep]
-    if r.numel() and rel.shape[1] < int(r.max()):
-        raise ValueError(f"neighbour lists of length {rel.shape[1]} are shorter than the largest R = {int(r.max())}")
-    in_r = torch.arange(rel.shape[1], device=rel.device).unsqueeze(0) < r.unsqueeze(1)
-    return rel & in_r, r
-
-
-def r_precision(relevance: Tensor, num_relevant: Tensor) -> float:
-    """R-Precision (Musgrave et al. 2020), averaged over queries with R > 0; 0.0 if there are none."""
-    rel, r = _r_mask(relevance, num_relevant)
-    if r.numel() == 0:
-        return 0.0
-    return float((rel.sum(dim=1).double() / r.double()).mean())
-
-
-def map_at_r(relevance: Tensor, num_relevant: Tensor) -> float:
-    """MAP@R (Musgrave et al. 2020): mean over queries with R > 0 of (1/R) sum_{i<=R} P(i) rel(i)."""
-    rel, r = _r_mask(relevance, num_relevant)
-    if r.numel() == 0:
-        return 0.0
-    relf = rel.double()
-    prec = torch.cumsum(relf, dim=1) / torch.arange(1, rel.shape[1] + 1, dtype=torch.float64, device=rel.device)
-    ap = (prec * relf).sum(dim=1) / r.double()
-    return float(ap.mean())
-
-
-def stats_to_metrics(
-    stats: RetrievalStats, recall_at: Sequence[int] = (1, 2, 4, 8), map_at_r_: bool = True
-) -> dict[str, float]:
-    """The metric dictionary (``recall@K``, ``precision@1``, ``r_precision``, ``map@r``) from statistics."""
-    out = {f"recall@{int(k)}": recall_at_k(stats.first_positive_rank, int(k)) for k in recall_at}
-    out["precision@1"] = precision_at_1(stats.first_positive_rank)
-    if map_at_r_:
-        out["r_precision"] = r_precision(stats.relevance, stats.num_relevant)
-        out["map@r"] = map_at_r(stats.relevance, stats.num_relevant)
-    return out
+        res, pairs = run_search(task, scorer, grid, request)
+    rows = torch.arange(task.q_items.numel(), device=task.device).unsqueeze(1).expand_as(res.neighbors)
+    relevance = task.relevant(rows, res.neighbors)
+    nb = torch.where(res.neighbors >= 0, task.g_items[res.neighbors.clamp(min=0)], res.neighbors)
+    return RetrievalStats(
+        res.first_positive_rank, res.num_positives, relevance, nb, res.scores, task.q_items, res.positive_ranks,
+        None if ps.category is None else ps.category[task.q_items], pairs, scorer.score_scale,
+    )
 
 
 def _warn_recall_beyond_gallery(
@@ -365,26 +373,70 @@ def retrieval_metrics(
     *,
     recall_at: Sequence[int] = (1, 2, 4, 8),
     map_at_r: bool = True,
+    metrics: Sequence[str] = (),
     indices: Tensor | None = None,
     query_mask: Tensor | None = None,
     gallery_mask: Tensor | None = None,
+    sequence: Tensor | None = None,
+    category: Tensor | None = None,
+    category_names: Sequence[str] | dict[int, str] | None = None,
     metric: str = "cosine",
     **options: Any,
 ) -> dict[str, float]:
-    """Recall@K, Precision@1 and (optionally) R-Precision and MAP@R, exactly, in one chunked pass.
+    """Recall@K, Precision@1, (optionally) R-Precision and MAP@R, and the opt-in ``metrics``, exactly.
 
     The single evaluation pipeline of the library (``RetrievalMetrics.compute`` calls it): :func:`retrieval_stats`
-    reduced by :func:`stats_to_metrics`; neighbour lists of length max R are only built with ``map_at_r``.
+    reduced by :func:`~lightning_dml.metrics._statistics.reduce_metrics`. ``metrics``: ``precision@K``, ``ndcg@K``,
+    ``mrr``, ``map`` and ``fnmr@fmr=F`` (which adds ``threshold@fmr=F``). With ``category``, every metric except
+    ``fnmr@fmr`` also per category as ``category/<name>/<metric>`` (``<name>``: ``category_names[id]`` or the id).
     ``options`` are those of :func:`retrieval_stats`: ``precision``, ``device``, ``query_block``,
     ``gallery_chunk``, ``tile_memory``, ``distributed``, ``process_group``, ``validate``.
     """
-    _check_options(recall_at, metric)
+    if metric not in ("cosine", "euclidean"):
+        raise ValueError(f"metric must be 'cosine' or 'euclidean', got {metric!r}")
+    names = metric_names(recall_at, map_at_r, metrics)
+    rank_ks = sorted({m.k for m in names if m.kind == "recall"} | {1})
     stats = retrieval_stats(
-        embeddings, labels, indices=indices, query_mask=query_mask, gallery_mask=gallery_mask, metric=metric,
-        k=None if map_at_r else 1, rank_ks=tuple(recall_at) + (1,), **options,
+        embeddings, labels, indices=indices, query_mask=query_mask, gallery_mask=gallery_mask, sequence=sequence,
+        category=category, metric=metric, rank_ks=rank_ks, metrics=names, **options,
     )
     _warn_recall_beyond_gallery(recall_at, labels, query_mask, gallery_mask, options)
-    return stats_to_metrics(stats, recall_at, map_at_r)
+    return reduce_metrics(stats, names, category_names)
+
+
+def stats_to_metrics(
+    stats: RetrievalStats, recall_at: Sequence[int] = (1, 2, 4, 8), map_at_r_: bool = True
+) -> dict[str, float]:
+    """The metric dictionary (``recall@K``, ``precision@1``, ``r_precision``, ``map@r``) from statistics."""
+    return reduce_metrics(stats, metric_names(recall_at, map_at_r_))
+
+
+def _stats(first_positive_rank: Tensor, relevance: Tensor | None = None, num_relevant: Tensor | None = None) -> RetrievalStats:
+    empty = torch.empty(first_positive_rank.numel(), 0, dtype=torch.bool, device=first_positive_rank.device)
+    r = num_relevant if num_relevant is not None else torch.zeros_like(first_positive_rank)
+    return RetrievalStats(first_positive_rank, r, empty if relevance is None else relevance, empty.long(), empty.double(), r)
+
+
+def recall_at_k(first_positive_rank: Tensor, k: int) -> float:
+    """Recall@K from the per-query rank of the first relevant item (-1 = none: scores 0)."""
+    if first_positive_rank.numel() == 0:
+        raise ValueError("recall_at_k: no queries")
+    return reduce_metrics(_stats(first_positive_rank), [parse_metric(f"recall@{int(k)}")])[f"recall@{int(k)}"]
+
+
+def precision_at_1(first_positive_rank: Tensor) -> float:
+    """Precision@1 over all queries: the nearest neighbour is relevant (= Recall@1)."""
+    return recall_at_k(first_positive_rank, 1)
+
+
+def r_precision(relevance: Tensor, num_relevant: Tensor) -> float:
+    """R-Precision (Musgrave et al. 2020), averaged over queries with R > 0; 0.0 if there are none."""
+    return reduce_metrics(_stats(num_relevant, relevance, num_relevant), [parse_metric("r_precision")])["r_precision"]
+
+
+def map_at_r(relevance: Tensor, num_relevant: Tensor) -> float:
+    """MAP@R (Musgrave et al. 2020): mean over queries with R > 0 of (1/R) sum_{i<=R} P(i) rel(i)."""
+    return reduce_metrics(_stats(num_relevant, relevance, num_relevant), [parse_metric("map@r")])["map@r"]
 
 
 def knn(
@@ -428,124 +480,7 @@ def knn(
         qm = torch.zeros(nq + ng, dtype=torch.bool, device=query.device)
         qm[:nq] = True
         ps = prepare(emb, torch.zeros(nq + ng, dtype=torch.long, device=query.device), None, qm, ~qm, device=device)
-    search = build_search(ps, metric=metric, precision=precision)
-    res = search.run(int(k), (), exact_scores=True)
-    scores = res.scores if search.scorer.score_scale == 1.0 else res.scores / search.scorer.score_scale
+    task, scorer, grid = build_search(ps, metric=metric, precision=precision)
+    res, _ = run_search(task, scorer, grid, SearchRequest(k=int(k), rank_ks=(), exact_scores=True))
+    scores = res.scores if scorer.score_scale == 1.0 else res.scores / scorer.score_scale
     return scores, res.neighbors
-
-
-# --------------------------------------------------------------------------------------------- clustering
-def contingency(labels: Tensor, clusters: Tensor) -> Tensor:
-    """Sparse contingency counts: a ``[M]`` int64 tensor of the non-zero cells n_{class, cluster}."""
-    if labels.ndim != 1 or clusters.ndim != 1 or labels.shape != clusters.shape:
-        raise ValueError(f"labels and clusters must be 1-D of equal length, got {tuple(labels.shape)} and {tuple(clusters.shape)}")
-    _, li = torch.unique(labels, return_inverse=True)
-    _, ci = torch.unique(clusters, return_inverse=True)
-    key = li.long() * (int(ci.max()) + 1 if ci.numel() else 1) + ci.long()
-    _, counts = torch.unique(key, return_counts=True)
-    return counts
-
-
-def _entropy(counts: Tensor, n: float) -> Tensor:
-    p = counts.double() / n
-    return -(p * torch.log(p)).sum()
-
-
-def nmi(labels: Tensor, clusters: Tensor) -> float:
-    """Normalised mutual information, arithmetic-mean normalisation (= scikit-learn's default).
-
-    NMI = I(Y; C) / ((H(Y) + H(C)) / 2). As in scikit-learn, two single-cluster labelings score 1.0.
-    """
-    labels = labels.detach().long()
-    clusters = clusters.detach().long().to(labels.device)
-    n = labels.numel()
-    if n == 0:
-        raise ValueError("nmi: empty labelling")
-    _, cy = torch.unique(labels, return_counts=True)
-    _, cc = torch.unique(clusters, return_counts=True)
-    if (cy.numel() == 1 and cc.numel() == 1):
-        return 1.0
-    _, li = torch.unique(labels, return_inverse=True)
-    _, ci = torch.unique(clusters, return_inverse=True)
-    key = li * cc.numel() + ci
-    uk, nij = torch.unique(key, return_counts=True)
-    ai = cy[uk // cc.numel()].double()
-    bj = cc[uk % cc.numel()].double()
-    nij = nij.double()
-    mi = float((nij / n * (torch.log(nij) + math.log(n) - torch.log(ai) - torch.log(bj))).sum())
-    mi = max(mi, 0.0)
-    hy = float(_entropy(cy, n))
-    hc = float(_entropy(cc, n))
-    denom = (hy + hc) / 2
-    if mi == 0.0 or denom == 0.0:
-        return 0.0
-    return min(1.0, mi / max(denom, mi))
-
-
-def f1_score(labels: Tensor, clusters: Tensor) -> float:
-    """Clustering F1 of Song et al. (2016) over all item pairs, from contingency counts.
-
-    precision = |same cluster and same class| / |same cluster|, recall = |same cluster and same class| /
-    |same class|, F1 = 2PR / (P + R). A zero denominator gives 0 for that term (documented convention).
-    """
-    labels = labels.detach().long()
-    clusters = clusters.detach().long().to(labels.device)
-    if labels.numel() == 0:
-        raise ValueError("f1_score: empty labelling")
-
-    def pairs(c: Tensor) -> float:
-        c = c.double()
-        return float((c * (c - 1) / 2).sum())
-
-    both = pairs(contingency(labels, clusters))
-    same_cluster = pairs(torch.unique(clusters, return_counts=True)[1])
-    same_class = pairs(torch.unique(labels, return_counts=True)[1])
-    p = both / same_cluster if same_cluster > 0 else 0.0
-    r = both / same_class if same_class > 0 else 0.0
-    return 2 * p * r / (p + r) if p + r > 0 else 0.0
-
-
-def clustering_metrics(
-    embeddings: Tensor,
-    labels: Tensor,
-    *,
-    metric: str = "cosine",
-    seeds: int = 1,
-    iters: int = 20,
-    backend: str = "auto",
-    seed_offset: int = 0,
-    device: torch.device | str | None = None,
-    distributed: bool = False,
-    process_group: Any = None,
-    validate: bool = True,
-) -> dict[str, float]:
-    """NMI and F1 of k-means (k = number of classes), averaged over ``seeds`` runs (seeds ``seed_offset + s``).
-
-    In cosine mode the embeddings are L2-normalised before clustering (scale-safely: each row is first divided
-    by a power of two near its largest entry, so no norm overflows). The torch k-means runs on ``device``
-    (default: where the embeddings are); ``backend="faiss"`` runs on the CPU. With ``distributed`` (every process
-    passing the same set) seed ``s`` runs on process ``s % world`` and the figures are gathered.
-    """
-    if validate:
-        check_inputs(embeddings, labels, where="clustering_metrics")
-    if metric not in ("cosine", "euclidean"):
-        raise ValueError(f"metric must be 'cosine' or 'euclidean', got {metric!r}")
-    if seeds < 1:
-        raise ValueError(f"seeds must be >= 1, got {seeds}")
-    dev = compute_device(embeddings, device)
-    x = embeddings.detach().to(dev, torch.float32)
-    y = labels.detach().to(dev)
-    if metric == "cosine":
-        x = l2_normalize(x, dim=1)
-    k = int(torch.unique(y).numel())
-    rank, world = (get_rank(process_group), get_world_size(process_group)) if distributed else (0, 1)
-    mine = range(rank, seeds, world)
-    done = {}
-    for s in track(mine, "k-means seeds") if len(mine) > 1 else mine:
-        assign = kmeans(x, k, iters=iters, seed=seed_offset + s, backend=backend)
-        done[s] = (nmi(y, assign), f1_score(y, assign))
-    if world > 1:
-        for part in all_gather_object(done, process_group):
-            done.update(part)
-    vals = [done[s] for s in range(seeds)]
-    return {"nmi": float(sum(v[0] for v in vals) / seeds), "f1": float(sum(v[1] for v in vals) / seeds)}

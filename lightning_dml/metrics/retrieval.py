@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torchmetrics import Metric
+from torchmetrics.utilities import rank_zero_warn
 from torchmetrics.utilities.data import dim_zero_cat
 
 from lightning_dml.metrics import functional as F
@@ -30,48 +31,53 @@ __all__ = ["RetrievalMetrics", "eval_batch_targets"]
 def eval_batch_targets(batch: Sequence[Tensor]) -> dict[str, Tensor | None]:
     """The keyword arguments of ``RetrievalMetrics.update`` carried by an evaluation batch of the data modules.
 
-    Evaluation items are ``(image, label, index)``, or ``(image, label, index, is_query, is_gallery)`` for the
-    query/gallery benchmarks (In-Shop); the images (first entry) are not used.
+    Evaluation items are ``(image, label, index)``, ``(image, label, index, is_query, is_gallery)`` for the
+    query/gallery benchmarks (In-Shop), or ``(image, label, index, is_query, is_gallery, sequence, category)`` for
+    tables with sequences and categories (:class:`~lightning_dml.data.CSVDataModule`; -1: none); ``label`` may be a
+    label set padded with -1. The images (first entry) are not used.
     """
-    if not isinstance(batch, (list, tuple)) or len(batch) < 2:
+    if not isinstance(batch, (list, tuple)) or len(batch) not in (2, 3, 5, 7):
         length = len(batch) if isinstance(batch, (list, tuple)) else "-"
         raise ValueError(
-            "an evaluation batch must be (images, labels[, indices[, is_query, is_gallery]]), got "
-            f"{type(batch).__name__} of length {length}"
+            "an evaluation batch must be (images, labels[, indices[, is_query, is_gallery[, sequence, category]]]), "
+            f"got {type(batch).__name__} of length {length}"
         )
-    inshop = len(batch) > 4
+    n = len(batch)
     return {
         "labels": batch[1],
-        "indices": batch[2] if len(batch) > 2 else None,
-        "query_mask": batch[3] if inshop else None,
-        "gallery_mask": batch[4] if inshop else None,
+        "indices": batch[2] if n > 2 else None,
+        "query_mask": batch[3] if n > 4 else None,
+        "gallery_mask": batch[4] if n > 4 else None,
+        "sequence": batch[5] if n > 6 else None,
+        "category": batch[6] if n > 6 else None,
     }
 
 
-def drop_padding(
-    embeddings: Tensor, labels: Tensor, indices: Tensor, query_mask: Tensor, gallery_mask: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Keep the first row of each index (DistributedSampler pads a shard by repeating items).
+def drop_padding(indices: Tensor, *rows: Tensor) -> tuple[Tensor, ...]:
+    """Keep the first row of each index (DistributedSampler pads a shard by repeating items): ``(indices, *rows)``
+    without the repeats, in index order.
 
-    Rows that share an index must be identical copies; a conflict (same index, different label, embedding or
-    mask) raises ``ValueError``.
+    Rows that share an index must be identical copies; a conflict (same index, different label, embedding, mask,
+    sequence or category) raises ``ValueError``.
     """
     order = torch.argsort(indices, stable=True)
     idx = indices[order]
     first = torch.ones_like(idx, dtype=torch.bool)
     first[1:] = idx[1:] != idx[:-1]
     if bool(first.all()):
-        return embeddings, labels, indices, query_mask, gallery_mask
-    x, y, qm, gm = embeddings[order], labels[order], query_mask[order], gallery_mask[order]
+        return (indices, *rows)
+    rows = tuple(t[order] for t in rows)
     ref = first.nonzero().squeeze(1)[torch.cumsum(first.long(), 0) - 1]
-    same = (y == y[ref]) & (x == x[ref]).all(dim=1) & (qm == qm[ref]) & (gm == gm[ref])
+    same = torch.ones_like(first)
+    for t in rows:
+        same &= (t == t[ref]).reshape(t.shape[0], -1).all(dim=1)
     if not bool(same.all()):
         bad = int(idx[(~same).nonzero()[0, 0]])
         raise ValueError(
-            f"index {bad} appears more than once with different labels, embeddings or masks; "
+            f"index {bad} appears more than once with different labels, embeddings, masks, sequences or categories; "
             "repeated indices are only allowed for identical copies (DistributedSampler padding)"
         )
-    return x[first], y[first], idx[first], qm[first], gm[first]
+    return (idx[first], *(t[first] for t in rows))
 
 
 class RetrievalMetrics(Metric):
@@ -103,11 +109,19 @@ class RetrievalMetrics(Metric):
         distributed_split: under DDP split the search and the k-means seeds across processes (else each
             process recomputes all).
         progress: show progress bars (tqdm) over the retrieval tiles and the k-means iterations in ``compute``.
+        metrics: opt-in metrics by name (``docs/metrics.md``): ``precision@K``, ``ndcg@K``, ``mrr``, ``map`` (over
+            the whole ranking) and ``fnmr@fmr=F`` (verification over all pairs; adds ``threshold@fmr=F``).
+        category_names: names of the category ids for the per-category keys (``category/<name>/recall@1``): a
+            sequence indexed by id or a dict; default the ids.
 
-    ``update(embeddings, labels, indices=None, query_mask=None, gallery_mask=None)``: ``indices`` is the
-    position of each item in its split; pass it under DDP (it removes padding duplicates and makes the
-    result independent of sharding). ``query_mask``/``gallery_mask`` select In-Shop mode (queries ranked
-    against the gallery); without them every item is a query against all others.
+    ``update(embeddings, labels, indices=None, query_mask=None, gallery_mask=None, sequence=None, category=None)``:
+    ``labels`` are ``[B]`` class ids or ``[B, L]`` label sets padded with -1 (relevant: the sets intersect; the
+    width L must stay the same across calls); ``indices`` is the position of each item in its split; pass it under
+    DDP (it removes padding duplicates and makes the result independent of sharding). ``query_mask``/
+    ``gallery_mask`` select query/gallery mode (queries ranked against the gallery; an item may be both, it never
+    matches itself); without them every item is a query against all others. ``sequence`` ids (-1: none): gallery
+    items sharing the query's sequence are ignored. ``category`` ids (-1: none): every metric also per category of
+    the queries. NMI and F1 need one class per item: with label sets they are not computed (a warning says so).
     ``update_from_batch(embeddings, batch)`` takes an evaluation batch of the data modules as it comes.
     """
 
@@ -131,12 +145,13 @@ class RetrievalMetrics(Metric):
         tile_memory: int | None = None,
         distributed_split: bool = True,
         progress: bool = False,
+        metrics: Sequence[str] = (),
+        category_names: Sequence[str] | dict[int, str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         recall_at = tuple(int(k) for k in recall_at)
-        if any(k < 1 for k in recall_at):
-            raise ValueError(f"recall_at values must be >= 1, got {recall_at}")
+        self.names = F.metric_names(recall_at, map_at_r, metrics)  # checks every name and K
         if metric not in ("cosine", "euclidean"):
             raise ValueError(f"metric must be 'cosine' or 'euclidean', got {metric!r}")
         if precision not in PRECISIONS:
@@ -159,11 +174,11 @@ class RetrievalMetrics(Metric):
         self.tile_memory = tile_memory
         self.distributed_split = bool(distributed_split)
         self.progress = bool(progress)
-        self.add_state("embeddings", default=[], dist_reduce_fx="cat")
-        self.add_state("labels", default=[], dist_reduce_fx="cat")
-        self.add_state("indices", default=[], dist_reduce_fx="cat")
-        self.add_state("query_mask", default=[], dist_reduce_fx="cat")
-        self.add_state("gallery_mask", default=[], dist_reduce_fx="cat")
+        self.metrics = tuple(metrics) if not isinstance(metrics, str) else (metrics,)
+        self.category_names = category_names
+        self._warned_label_sets = False
+        for name in _STATES:
+            self.add_state(name, default=[], dist_reduce_fx="cat")
 
     def update(
         self,
@@ -172,27 +187,35 @@ class RetrievalMetrics(Metric):
         indices: Tensor | None = None,
         query_mask: Tensor | None = None,
         gallery_mask: Tensor | None = None,
+        sequence: Tensor | None = None,
+        category: Tensor | None = None,
     ) -> None:
-        """Store a batch of raw embeddings ``[B, D]`` with labels ``[B]`` (and optional indices / masks)."""
-        F.check_inputs(embeddings, labels, indices, query_mask, gallery_mask, where="RetrievalMetrics.update")
+        """Store a batch of raw embeddings ``[B, D]`` with labels ``[B]`` or label sets ``[B, L]`` (and optional
+        indices, masks, sequence and category ids)."""
+        where = "RetrievalMetrics.update"
+        F.check_inputs(embeddings, labels, indices, query_mask, gallery_mask, sequence, category, where=where)
         if len(self.embeddings) and self.embeddings[0].shape[1] != embeddings.shape[1]:
             raise ValueError(
-                f"RetrievalMetrics.update: embedding dimension changed from {self.embeddings[0].shape[1]} "
-                f"to {embeddings.shape[1]}"
+                f"{where}: embedding dimension changed from {self.embeddings[0].shape[1]} to {embeddings.shape[1]}"
+            )
+        if len(self.labels) and self.labels[0].shape[1:] != labels.shape[1:]:
+            raise ValueError(
+                f"{where}: labels changed from shape [B{', ' + str(self.labels[0].shape[1]) if self.labels[0].ndim == 2 else ''}] "
+                f"to {list(labels.shape)}: give every batch the same kind of labels (label sets padded to one width L)"
             )
         n = embeddings.shape[0]
         dev = embeddings.device
+
+        def given(t: Tensor | None, fill: int | bool, dtype: torch.dtype) -> Tensor:
+            return t.detach().to(dtype) if t is not None else torch.full((n,), fill, dtype=dtype, device=dev)
+
         self.embeddings.append(embeddings.detach().float())
         self.labels.append(labels.detach().long())
-        self.indices.append(
-            indices.detach().long() if indices is not None else torch.full((n,), -1, dtype=torch.long, device=dev)
-        )
-        self.query_mask.append(
-            query_mask.detach() if query_mask is not None else torch.ones(n, dtype=torch.bool, device=dev)
-        )
-        self.gallery_mask.append(
-            gallery_mask.detach() if gallery_mask is not None else torch.ones(n, dtype=torch.bool, device=dev)
-        )
+        self.indices.append(given(indices, -1, torch.long))
+        self.query_mask.append(given(query_mask, True, torch.bool))
+        self.gallery_mask.append(given(gallery_mask, True, torch.bool))
+        self.sequence.append(given(sequence, -1, torch.long))
+        self.category.append(given(category, -1, torch.long))
 
     def update_from_batch(self, embeddings: Tensor, batch: Sequence[Tensor]) -> None:
         """``update`` from the embeddings of an evaluation batch ``(images, labels, indices[, is_query, is_gallery])``
@@ -204,45 +227,53 @@ class RetrievalMetrics(Metric):
         # list states before a DDP sync, concatenated tensors after it
         if isinstance(self.embeddings, list) and not self.embeddings:
             raise ValueError("RetrievalMetrics.compute() called with no data: call update() with embeddings first")
-        emb, lab, idx, qm, gm = (
-            dim_zero_cat(s) for s in (self.embeddings, self.labels, self.indices, self.query_mask, self.gallery_mask)
-        )
+        emb, lab, idx, qm, gm, seq, cat = (dim_zero_cat(getattr(self, name)) for name in _STATES)
         if emb.shape[0] == 0:
             raise ValueError("RetrievalMetrics.compute() called with no data: call update() with embeddings first")
         if self.compute_device is not None:  # the explicit device (e.g. the CPU path for a GPU too small)
-            emb, lab, idx, qm, gm = (t.to(self.compute_device) for t in (emb, lab, idx, qm, gm))
+            emb, lab, idx, qm, gm, seq, cat = (t.to(self.compute_device) for t in (emb, lab, idx, qm, gm, seq, cat))
         missing = idx < 0
         if bool(missing.all()):
             idx = None
         elif bool(missing.any()):
             raise ValueError("RetrievalMetrics: indices were given for some update() calls but not for others")
         else:
-            emb, lab, idx, qm, gm = drop_padding(emb, lab, idx, qm, gm)
+            idx, emb, lab, qm, gm, seq, cat = drop_padding(idx, emb, lab, qm, gm, seq, cat)
         inshop = not (bool(qm.all()) and bool(gm.all()))
         return {
             "embeddings": emb, "labels": lab, "indices": idx,
             "query_mask": qm if inshop else None, "gallery_mask": gm if inshop else None,
+            "sequence": seq if bool((seq >= 0).any()) else None, "category": cat if bool((cat >= 0).any()) else None,
         }
 
     def compute(self) -> dict[str, float]:
-        """All metrics as a ``dict[str, float]`` (values in [0, 1])."""
+        """All metrics as a ``dict[str, float]`` (values in [0, 1]; ``threshold@fmr=F`` is a score)."""
         # progress bars when asked for here, else as the caller's context says (DMLModule turns them on)
         with progress_bars() if self.progress else contextlib.nullcontext():
             data = self._gathered()
             common = {"metric": self.metric, "distributed": self.distributed_split,
                       "process_group": self.process_group, "validate": False}
             out = F.retrieval_metrics(
-                **data, recall_at=self.recall_at, map_at_r=self.map_at_r, precision=self.precision,
-                query_block=self.query_block, gallery_chunk=self.gallery_chunk, tile_memory=self.tile_memory,
-                **common,
+                **data, recall_at=self.recall_at, map_at_r=self.map_at_r, metrics=self.metrics,
+                category_names=self.category_names, precision=self.precision, query_block=self.query_block,
+                gallery_chunk=self.gallery_chunk, tile_memory=self.tile_memory, **common,
             )
-            if self.clustering:
-                # cluster the evaluated set (In-Shop: query and gallery items alike)
+            if self.clustering and data["labels"].ndim == 2:
+                if not self._warned_label_sets:
+                    self._warned_label_sets = True
+                    rank_zero_warn("RetrievalMetrics: nmi and f1 need one class per item; with label sets they are not "
+                                   "computed (clustering=False silences this)")
+            elif self.clustering:
+                # cluster the evaluated set (query/gallery mode: query and gallery items alike), in index order
                 x, y = data["embeddings"], data["labels"]
-                if data["indices"] is not None:  # the order of the items, as the retrieval uses it
+                if data["indices"] is not None:
                     order = torch.argsort(data["indices"])
                     x, y = x[order], y[order]
                 out.update(F.clustering_metrics(
-                    x, y, seeds=self.kmeans_seeds, iters=self.kmeans_iters, backend=self.kmeans_backend, **common
+                    x, y, seeds=self.kmeans_seeds, iters=self.kmeans_iters, backend=self.kmeans_backend, **common,
                 ))
         return out
+
+
+#: the list states of :class:`RetrievalMetrics` (concatenated by torchmetrics under DDP)
+_STATES = ("embeddings", "labels", "indices", "query_mask", "gallery_mask", "sequence", "category")

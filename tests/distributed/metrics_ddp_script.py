@@ -11,6 +11,10 @@ MODE (default ``plain``) sets how each process chooses the search precision:
 
 * ``mixed``: rank 0 asks for ``precision="bf16"``, the others for ``"fp32"`` (settings that disagree): every rank
   must raise the same clear ``ValueError`` (printed as "DDP-PRECISION-REJECTED") instead of mixing precisions;
+* ``tasks``: own retrieval tasks (issue 20): label sets, sequences, categories, query and gallery sets that
+  overlap, and every opt-in metric (Precision@K, MRR, NDCG@K, MAP, FNMR@FMR);
+* ``tasks-repair``: ``tasks`` with pair-score windows that miss every threshold (patched): the exact repair (a
+  histogram pass over every process's tiles) must give the same figures;
 * ``auto-probe``: every rank asks for ``"auto"`` but ``"auto"`` resolves to bf16 on rank 0 only (monkeypatched, as
   on a job whose processes sit on different devices): the ranks must agree on fp32 (checked) and give the
   single-process figures.
@@ -21,6 +25,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -36,6 +41,9 @@ MODE = sys.argv[2] if len(sys.argv) > 2 else "plain"
 KW = dict(recall_at=(1, 2, 4, 8, 16, 32), kmeans_seeds=2, kmeans_backend="torch", query_block=128, gallery_chunk=300)
 
 
+EXTRA = ["precision@5", "mrr", "ndcg@10", "map", "fnmr@fmr=0.001", "fnmr@fmr=0.1"]
+
+
 def make_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     y = torch.randint(0, 120, (N,), generator=g)
@@ -45,12 +53,46 @@ def make_data() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, y, qm
 
 
-def single_process() -> tuple[dict, dict]:
+def task_inputs() -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
+    """MODE tasks: label sets (a second label for a third of the items), sequence and category ids, and a gallery
+    mask that overlaps the query mask."""
     x, y, qm = make_data()
-    m = RetrievalMetrics(**KW)
-    m.update(x, y)
-    shop = RetrievalMetrics(clustering=False, **{k: v for k, v in KW.items() if k != "kmeans_seeds"})
-    shop.update(x, y, query_mask=qm, gallery_mask=~qm)
+    g = torch.Generator().manual_seed(1)
+    second = torch.where(torch.rand(N, generator=g) < 0.33, torch.randint(0, 120, (N,), generator=g), -1)
+    extra = {
+        "sequence": torch.randint(-1, 150, (N,), generator=g),
+        "category": torch.randint(0, 4, (N,), generator=g),
+    }
+    gm = ~qm | (torch.rand(N, generator=g) < 0.2)
+    return torch.stack([y, second], 1), extra, gm
+
+
+def metrics_objects() -> tuple[RetrievalMetrics, RetrievalMetrics]:
+    """The all-vs-all and the query/gallery metric of this MODE."""
+    opts = {"metrics": EXTRA, "category_names": ["a", "b", "c", "d"]} if MODE.startswith("tasks") else {}
+    shop_kw = {k: v for k, v in KW.items() if k != "kmeans_seeds"}
+    return RetrievalMetrics(**KW, **opts), RetrievalMetrics(clustering=False, **shop_kw, **opts)
+
+
+def feed(m: RetrievalMetrics, shop: RetrievalMetrics, b: torch.Tensor | None, indices: bool) -> None:
+    """Update both metrics with the rows ``b`` (all rows when None), with the MODE's inputs."""
+    x, y, qm = make_data()
+    labels, extra, gm = task_inputs() if MODE.startswith("tasks") else (y, {}, ~qm)
+    b = torch.arange(N) if b is None else b
+    kw = {name: t[b] for name, t in extra.items()}
+    if indices:
+        kw["indices"] = b
+    m.update(x[b], labels[b], **kw)
+    shop.update(x[b], labels[b], query_mask=qm[b], gallery_mask=gm[b], **kw)
+
+
+def single_process() -> tuple[dict, dict]:
+    m, shop = metrics_objects()
+    feed(m, shop, None, indices=False)
+    if MODE.startswith("tasks"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # nmi/f1 are skipped with label sets
+            return m.compute(), shop.compute()
     return m.compute(), shop.compute()
 
 
@@ -66,7 +108,21 @@ def shard(rank: int) -> torch.Tensor:
 def precision_settings(rank: int) -> tuple[dict, list[str]]:
     """The ``precision`` argument of this rank in MODE, and a list that records the precisions the search used."""
     used: list[str] = []
-    if MODE == "plain":
+    if MODE == "tasks-repair":
+        from lightning_dml.metrics import _ddp
+
+        def wrong(task, scorer, grid, fmrs, neg_total, bound, **kw):  # windows far above every threshold
+            return _ddp.make_windows([2.0] * len(fmrs), [3.0] * len(fmrs), bound, task.device)
+
+        _ddp.plan_windows = wrong
+        histogram = _ddp.histogram_pass
+
+        def counted(*args, **kw):
+            print(f"rank {rank} REPAIR-PASS", flush=True)
+            return histogram(*args, **kw)
+
+        _ddp.histogram_pass = counted
+    if MODE in ("plain", "tasks", "tasks-repair"):
         return {}, used
     original = functional.Scorer
 
@@ -87,11 +143,11 @@ def precision_settings(rank: int) -> tuple[dict, list[str]]:
 def worker(rank: int, port: int, expected: tuple[dict, dict]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    x, y, qm = make_data()
     idx = shard(rank)
     precision, used = precision_settings(rank)
-    m = RetrievalMetrics(**KW, **precision)
-    shop = RetrievalMetrics(clustering=False, **{k: v for k, v in KW.items() if k != "kmeans_seeds"}, **precision)
+    m, shop = metrics_objects()
+    for metric in (m, shop):
+        metric.precision = precision.get("precision", metric.precision)
     sizes = [97, 3, 200, 501]  # uneven batches (each shard has at most 501 items)
     start = 0
     for s in sizes:
@@ -99,8 +155,8 @@ def worker(rank: int, port: int, expected: tuple[dict, dict]) -> None:
         start += s
         if b.numel() == 0:
             continue
-        m.update(x[b], y[b], indices=b)
-        shop.update(x[b], y[b], indices=b, query_mask=qm[b], gallery_mask=~qm[b])
+        feed(m, shop, b, indices=True)
+    warnings.simplefilter("ignore")  # nmi/f1 skipped with label sets (MODE tasks)
     if MODE == "mixed":
         try:
             m.compute()

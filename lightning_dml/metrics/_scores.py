@@ -1,4 +1,4 @@
-"""Approximate scores with a rigorous error bound per precision, and exact float64 scores.
+"""Stage 1 of the exact search: scores. Approximate tiles with a rigorous error bound per precision, exact pairs.
 
 * ``exact score`` of a (query, gallery) pair: cosine similarity ``<x_q, x_g> / (|x_q| |x_g|)`` of the raw
   embeddings, or the negative squared Euclidean distance ``-|x_q - x_g|^2``, both evaluated in float64
@@ -25,12 +25,14 @@ one common factor); cosine mode normalises in float64, valid at any float32 scal
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 
 import torch
 from torch import Tensor
 
 from lightning_dml.metrics._device import _Threads
+from lightning_dml.metrics._task import RetrievalTask
 from lightning_dml.scaling import power_of_two_scale
 
 _U32 = 2.0**-24  # unit roundoff of float32
@@ -127,6 +129,12 @@ class Scorer:
         self.threads = torch.get_num_threads()  # for the matrix products; the rest runs on one thread
         self.metric = metric
         self.precision = precision
+        with _Threads(1):  # the set-up is element-wise work on the whole set: one thread (_device._Threads)
+            self._setup(x)
+
+    def _setup(self, x: Tensor) -> None:
+        """Scaled copy, float64 norms, the low-precision representation and its residuals (see the class)."""
+        metric, precision = self.metric, self.precision
         n, d = x.shape
         self.dim = d
         x = x.contiguous()
@@ -245,3 +253,14 @@ class Scorer:
             else:
                 out[s : s + step] = 2 * dot - self.sq32[gi] - self.sq32[qi]
         return out
+
+
+def score_tile(scorer: Scorer, task: RetrievalTask, rows: Tensor, c0: int, c1: int) -> Tensor:
+    """Approximate scores ``(len(rows), c1 - c0)`` of query rows ``rows`` against gallery positions ``[c0, c1)``,
+    with the task's excluded pairs (the query itself, its sequence) set to ``-inf``: they never enter a count or a
+    candidate list."""
+    a = scorer.approx(task.q_items[rows], task.g_items[c0:c1])
+    r, c = task.excluded_in(rows, c0, c1)
+    if r.numel():
+        a[r, c] = -math.inf
+    return a
