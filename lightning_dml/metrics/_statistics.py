@@ -18,12 +18,13 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_dml.metrics._ranks import PairThresholds
 
-__all__ = ["MetricName", "RetrievalStats", "parse_metric", "per_query", "reduce_metrics"]
+__all__ = ["MetricName", "RetrievalStats", "exact_mean", "parse_metric", "per_query", "reduce_metrics"]
 
 
 @dataclass
@@ -151,9 +152,11 @@ def per_query(stats: RetrievalStats, metric: MetricName) -> tuple[Tensor, Tensor
     raise ValueError(f"{metric.key} is not a per-query metric")
 
 
-def _mean(values: Tensor, included: Tensor) -> float:
+def exact_mean(values: Tensor | np.ndarray, included: Tensor | np.ndarray) -> float:
+    """Mean of ``values[included]`` (0.0 when none): the sum is exactly rounded (``math.fsum``), so the figure
+    depends on neither the thread count (a parallel sum's order does) nor the device nor the order of the queries."""
     n = int(included.sum())
-    return float(values[included].sum() / n) if n else 0.0
+    return math.fsum(values[included].tolist()) / n if n else 0.0
 
 
 def _category_name(c: int, names: Sequence[str] | dict[int, str] | None) -> str:
@@ -176,7 +179,7 @@ def reduce_metrics(
         if m.kind == "fnmr@fmr":
             continue
         values[m.key] = per_query(stats, m)
-        out[m.key] = _mean(*values[m.key])
+        out[m.key] = exact_mean(*values[m.key])
     if stats.pairs is not None:
         for f, theta, fnmr in zip(stats.pairs.fmrs, stats.pairs.thresholds, stats.pairs.fnmr):
             key = f"{f:g}"
@@ -189,5 +192,5 @@ def reduce_metrics(
             name = _category_name(c, category_names)
             mine = stats.category == c
             for key, (v, inc) in values.items():
-                out[f"category/{name}/{key}"] = _mean(v, inc & mine)
+                out[f"category/{name}/{key}"] = exact_mean(v, inc & mine)
     return out

@@ -284,6 +284,7 @@ def retrieval_stats(
     k: int | None = None,
     rank_ks: Sequence[int] = (1,),
     metrics: Sequence[str | MetricName] = (),
+    exact_scores: bool = False,
     precision: str = "auto",
     device: torch.device | str | None = None,
     query_block: int | None = None,
@@ -308,6 +309,8 @@ def retrieval_stats(
             elsewhere it is a lower bound on the same side of every K as the exact rank (exact everywhere with
             ``map`` among the metrics).
         metrics: metric names (or parsed names) whose statistics to compute (see :func:`metric_names`).
+        exact_scores: every neighbour score exact (else exact where the relevance order needed it; the order is
+            exact either way).
         precision: approximate-pass precision, ``"auto"``, ``"fp32"``, ``"tf32"`` or ``"bf16"`` (results are exact
             in every case; see :func:`lightning_dml.metrics._device.resolve_precision`).
         device: compute device; default where the embeddings are (``"cpu"`` forces the host).
@@ -330,6 +333,7 @@ def retrieval_stats(
     request = SearchRequest(
         k=_list_length(names, task) if k is None else int(k),
         rank_ks=tuple(sorted({int(v) for v in rank_ks})),
+        exact_scores=bool(exact_scores),
         positive_ranks=any(m.kind == "map" for m in names),
         fmrs=tuple(sorted({m.fmr for m in names if m.kind == "fnmr@fmr"})),
     )
