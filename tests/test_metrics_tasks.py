@@ -264,3 +264,17 @@ def test_brute_force_reference_excludes_sequences() -> None:
     rk = brute_task_rankings(x, torch.zeros(6, dtype=torch.long), sequence=seq)
     assert sorted(rk[0][1]) == [2, 3, 4, 5]
     assert sorted(rk[4][1]) == [0, 1, 2, 3, 5]
+
+
+def test_pair_histogram_bins_are_monotone_and_floor_their_values() -> None:
+    """The pair-score histograms bin float32 values by an order-preserving key: bins never decrease with the
+    value, each bin's floor is at most its values, and -inf (the excluded pairs) has a bin of its own."""
+    from lightning_dml.metrics._scan import NEG_INF_BIN, bin_floor, float_key
+
+    g = torch.Generator().manual_seed(0)
+    v = torch.cat([torch.randn(5000, generator=g) * torch.exp2(torch.randint(-40, 40, (5000,), generator=g).float()),
+                   torch.tensor([0.0, -0.0, 1.0, -1.0, 3.4e38, -3.4e38, math.inf])]).sort().values
+    keys = float_key(v)
+    assert bool((keys[1:] >= keys[:-1]).all())
+    assert bool((bin_floor(keys) <= v.double()).all())
+    assert int(float_key(torch.tensor([-math.inf]))) == NEG_INF_BIN and int(keys.min()) > NEG_INF_BIN

@@ -418,6 +418,10 @@ def float_key(a: Tensor) -> Tensor:
     return (key >> (32 - KEY_BITS)).long() + (1 << (KEY_BITS - 1))
 
 
+#: the histogram bin of -inf (the excluded pairs)
+NEG_INF_BIN = 2047
+
+
 def bin_floor(bins: Tensor) -> Tensor:
     """The smallest float32 value of each histogram bin (float64), ``-inf`` for the lowest bin."""
     key = ((bins - (1 << (KEY_BITS - 1))) << (32 - KEY_BITS)).to(torch.int32)
@@ -426,20 +430,27 @@ def bin_floor(bins: Tensor) -> Tensor:
     return torch.where(torch.isnan(v) | (bins <= 0), torch.full_like(v, -math.inf), v)
 
 
+def _histogram(a: Tensor) -> Tensor:
+    """Histogram (:func:`float_key` bins) of a tile's approximate scores, its excluded pairs (``-inf``) left out:
+    they all fall into the bin of ``-inf``, :data:`NEG_INF_BIN`, which no finite float32 shares."""
+    hist = torch.bincount(float_key(a).reshape(-1), minlength=1 << KEY_BITS)
+    hist[NEG_INF_BIN] = 0
+    return hist
+
+
 def _sample_histogram(task: RetrievalTask, scorer: Scorer, grid: Grid, rows: Tensor) -> Tensor:
     """Histogram (:func:`float_key` bins) of the approximate scores of query rows ``rows`` against the gallery,
     excluded pairs left out."""
     hist = torch.zeros(1 << KEY_BITS, dtype=torch.long, device=task.device)
     ng = task.g_items.numel()
     for c0 in range(0, ng, grid.gallery_chunk):
-        a = score_tile(scorer, task, rows, c0, min(ng, c0 + grid.gallery_chunk))
-        hist += torch.bincount(float_key(a[torch.isfinite(a)]), minlength=hist.numel())
+        hist += _histogram(score_tile(scorer, task, rows, c0, min(ng, c0 + grid.gallery_chunk)))
     return hist
 
 
 def plan_windows(
     task: RetrievalTask, scorer: Scorer, grid: Grid, fmrs: tuple[float, ...], neg_total: int, bound: float,
-    sample: int = 512, z: float = 6.0,
+    sample: int = 256, z: float = 6.0,
 ) -> PairWindows:
     """Windows of exact pair scores expected to hold the threshold of each false match rate, from a sample.
 
@@ -488,7 +499,7 @@ def histogram_pass(
     ng = task.g_items.numel()
 
     def add(a: Tensor, weight: int) -> None:
-        hist.add_(torch.bincount(float_key(a[torch.isfinite(a)]), minlength=hist.numel()), alpha=weight)
+        hist.add_(_histogram(a), alpha=weight)
 
     if grid.symmetric(task):
         bs = grid.query_block
