@@ -125,3 +125,40 @@ def test_defaults_registry_and_build():
 def test_invalid_hyperparameters(kw):
     with pytest.raises(ValueError):
         MultiSimilarityLoss(**kw)
+
+
+@pytest.mark.parametrize(
+    "kw,ok",
+    [({"alpha": 0.5, "beta": 0.5, "eps": 0.0}, True), ({"alpha": -0.5}, False), ({"beta": 0.0}, False),
+     ({"beta": -0.5}, False), ({"eps": -0.5}, False)],
+)
+def test_hyperparameter_ranges_at_their_bounds(kw, ok):
+    """alpha > 0, beta > 0, eps >= 0 (MS Eqs. 10-12): the ends and half a unit beyond."""
+    if ok:
+        loss = MultiSimilarityLoss(**kw)
+        assert (loss.alpha, loss.beta, loss.eps) == (kw["alpha"], kw["beta"], kw["eps"])
+    else:
+        with pytest.raises(ValueError):
+            MultiSimilarityLoss(**kw)
+
+
+@pytest.mark.parametrize(
+    "kw", [{"beta": 200.0}, {"alpha": 200.0}, {"beta": 300.0, "plus_one": False}, {"beta": 200.0, "mining": False},
+           {"alpha": 300.0, "beta": 300.0, "on_empty": "skip"}],
+    ids=str,
+)
+def test_large_scales_are_finite_and_exact(kw):
+    """alpha or beta of 200-300 (exponents of 100-300 for the pairs the mined set leaves out, the self-pair among
+    them): the closed form is finite and equals the float64 loop reference (it gave NaN from about 170 on: an
+    overflowed exp of a dropped pair times its zero mask)."""
+    torch.manual_seed(1)
+    z, y = torch.randn(16, 8, dtype=torch.float64), torch.arange(16) % 4
+    zz = z.float().requires_grad_(True)
+    value = MultiSimilarityLoss(**kw)(zz, y)
+    (grad,) = torch.autograd.grad(value, zz)
+    zr = z.clone().requires_grad_(True)
+    expected = ref.multi_similarity(zr, y, **kw)
+    (grad_ref,) = torch.autograd.grad(expected, zr)
+    assert torch.isfinite(value) and torch.isfinite(grad).all()
+    torch.testing.assert_close(value.double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad.double(), grad_ref, rtol=1e-4, atol=1e-6)

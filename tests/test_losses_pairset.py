@@ -610,3 +610,51 @@ def test_margin_loss_in_dml_module_fills_num_classes_and_trains_beta():
     fresh = _module(loss=MarginLoss())
     fresh.load_state_dict(model.state_dict())
     torch.testing.assert_close(fresh.loss.beta, model.loss.beta)
+
+
+# ------------------------------------------------------------------------------- hyper-parameter range boundaries
+#: (factory, accepted?): each documented range at its ends, just beyond, and half a unit on either side of a bound
+RANGE_CASES = [
+    (lambda: AngularLoss(math.pi / 3), True), (lambda: AngularLoss(math.pi / 3 + 1e-6), False),
+    (lambda: AngularLoss(0.5), True), (lambda: AngularLoss(0.0), False), (lambda: AngularLoss(-0.5), False),
+    (lambda: CircleLoss(m=0.0, gamma=0.5), True), (lambda: CircleLoss(m=0.999), True),
+    (lambda: CircleLoss(m=1.0), False), (lambda: CircleLoss(m=-0.5), False), (lambda: CircleLoss(gamma=-0.5), False),
+    (lambda: MarginLoss(alpha=0.0, nu=0.0, cutoff=0.0), True), (lambda: MarginLoss(alpha=-0.5), False),
+    (lambda: MarginLoss(nu=-0.5), False), (lambda: MarginLoss(cutoff=1.39), True),
+    (lambda: MarginLoss(cutoff=1.4, nonzero_loss_cutoff=1.4), False), (lambda: MarginLoss(cutoff=-0.5), False),
+    (lambda: MarginLoss().complete(num_classes=1), True), (lambda: MarginLoss().complete(num_classes=0), False),
+    (lambda: FastAPLoss(1), True), (lambda: FastAPLoss(0), False),
+    (lambda: SupConLoss(0.5), True), (lambda: SupConLoss(-0.5), False),
+    (lambda: NTXentLoss(0.5), True), (lambda: NTXentLoss(0.0), False),
+    (lambda: SmoothAPLoss(0.5), True), (lambda: SmoothAPLoss(-0.5), False),
+    (lambda: NCALoss(scale=0.5), True), (lambda: NCALoss(scale=0.0), False), (lambda: NCALoss(scale=-0.5), False),
+    (lambda: NPairLoss(variant="multi_positive", l2_reg=0.0), True),
+]
+
+
+@pytest.mark.parametrize("make,ok", RANGE_CASES, ids=[str(i) for i in range(len(RANGE_CASES))])
+def test_hyperparameter_ranges_at_their_bounds(make, ok):
+    if ok:
+        assert isinstance(make(), torch.nn.Module)
+    else:
+        with pytest.raises(ValueError):
+            make()
+
+
+def test_margin_loss_needs_positive_pairs_in_the_checks():
+    """checks.py refuses a batch of distinct labels for the margin loss (its triplets need a positive)."""
+    from lightning_dml.checks import check_training_batch
+
+    for loss in (MarginLoss(num_classes=6), MarginLoss(class_margins=False, sampling="all")):
+        with pytest.raises(ValueError, match="needs positive pairs"):
+            check_training_batch(loss, torch.arange(6))
+
+
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+def test_few_anchors_with_many_reference_positives(case):
+    """Two anchors of one class with six positives each among the references (more positives per anchor than
+    anchors): every positive counts, as in the loop reference."""
+    _, make, ref = case
+    z, _ = random_batch(23, b=14, k=2)
+    y = torch.tensor([0, 0, 1] + [0] * 6 + [1, 2, 2, 3, 3])
+    _assert_matches(lambda e, l: make()(e[:2], l[:2], e[2:], l[2:]), lambda e, l: ref(e, l, n_anchors=2), z, y)

@@ -93,7 +93,12 @@ def test_gpw_gradient_wrt_distance_is_the_normalised_weights(preset):
     "loss",
     [MultiSimilarityLoss(), MultiSimilarityLoss(weighting=False), MultiSimilarityLoss(plus_one=False),
      ContrastiveLoss(), ContrastiveLoss(squared=True, squared_hinge=True), TripletLoss(),
-     TripletLoss(mining="batch_hard", squared=True)],
+     TripletLoss(mining="batch_hard", squared=True),
+     # margins and reductions other than the defaults (the defaults hide a dropped margin or count)
+     ContrastiveLoss(pos_margin=0.3, neg_margin=1.1), ContrastiveLoss(pos_margin=0.2, reduction="mean"),
+     ContrastiveLoss(pos_margin=0.2, squared=True, reduction="sum"), TripletLoss(reduction="mean"),
+     TripletLoss(margin=0.3, reduction="sum"), TripletLoss(mining="batch_hard", reduction="mean"),
+     MultiSimilarityLoss(on_empty="skip", lam=0.8)],
     ids=repr,
 )
 def test_closed_form_weights_equal_autograd_wrt_similarity(loss):
@@ -383,3 +388,202 @@ def test_gather_is_empty_without_distributed():
     # an empty reference gallery changes nothing
     torch.testing.assert_close(MultiSimilarityLoss()(z, y % 2, ref_embeddings=r, ref_labels=ry),
                                MultiSimilarityLoss()(z, y % 2))
+
+
+# ------------------------------------------------------------------------------- hyper-parameter range boundaries
+#: (loss class, keyword arguments, accepted?): each documented range at its ends, just beyond, and half a unit on
+#: either side of a bound (so that a bound moved by one, or a ``<`` turned ``<=``, is caught)
+RANGE_CASES = [
+    (BinomialDevianceLoss, {"alpha": 0.5}, True), (BinomialDevianceLoss, {"beta": 0.5}, True),
+    (BinomialDevianceLoss, {"alpha": -0.5}, False), (BinomialDevianceLoss, {"beta": -0.5}, False),
+    (BinomialDevianceLoss, {"beta": 0.0}, False),
+    (ContrastiveLoss, {"pos_margin": 0.0, "neg_margin": 0.0}, True), (ContrastiveLoss, {"pos_margin": -0.5}, False),
+    (ContrastiveLoss, {"neg_margin": -0.5}, False),
+    (LiftedStructureLoss, {"alpha": 0.5, "beta": 0.5}, True), (LiftedStructureLoss, {"alpha": 0.0}, False),
+    (LiftedStructureLoss, {"alpha": -0.5}, False), (LiftedStructureLoss, {"beta": 0.0}, False),
+    (LiftedStructureLoss, {"beta": -0.5}, False),
+    (RankedListLoss, {"alpha": 0.5, "margin": 0.0}, True), (RankedListLoss, {"alpha": 0.5, "margin": 0.5}, True),
+    (RankedListLoss, {"alpha": 0.0, "margin": 0.0}, False), (RankedListLoss, {"alpha": -0.5, "margin": 0.0}, False),
+    (RankedListLoss, {"margin": -0.5}, False), (RankedListLoss, {"alpha": 0.5, "margin": 0.6}, False),
+    (RankedListLoss, {"temperature": 0.0, "lam": 0.0}, True), (RankedListLoss, {"temperature": -0.5}, False),
+    (RankedListLoss, {"lam": -0.5}, False),
+    (TripletLoss, {"margin": 0.0}, True), (TripletLoss, {"margin": -0.5}, False),
+    (TupletMarginLoss, {"scale": 0.5, "slack": 0.0, "variance_weight": 0.0, "variance_eps": 0.0}, True),
+    (TupletMarginLoss, {"scale": -0.5}, False), (TupletMarginLoss, {"slack": math.pi - 1e-6}, True),
+    (TupletMarginLoss, {"slack": math.pi}, False), (TupletMarginLoss, {"slack": -0.5}, False),
+    (TupletMarginLoss, {"variance_weight": -0.5}, False), (TupletMarginLoss, {"variance_eps": -0.5}, False),
+    (NPairLoss, {"l2_reg": 0.0}, True), (NPairLoss, {"l2_reg": -0.5}, False),
+    (GeneralPairWeightingLoss, {"m1": 0.0, "m2": 0.0}, True), (GeneralPairWeightingLoss, {"m1": 0.5, "m2": 0.5}, True),
+    (GeneralPairWeightingLoss, {"m1": -0.5, "m2": 0.5}, False),
+    (GeneralPairWeightingLoss, {"margin": 0.0, "p": 0.0, "q": 0.0, "eps": 0.0}, True),
+    (GeneralPairWeightingLoss, {"margin": -0.5}, False), (GeneralPairWeightingLoss, {"p": -0.5}, False),
+    (GeneralPairWeightingLoss, {"q": -0.5}, False), (GeneralPairWeightingLoss, {"eps": -0.5}, False),
+    (CrossBatchMemory, {"embedding_size": 1, "memory_size": 1, "start_after": 0}, True),
+    (CrossBatchMemory, {"embedding_size": 0}, False), (CrossBatchMemory, {"start_after": -1}, False),
+]
+
+
+@pytest.mark.parametrize("cls,kw,ok", RANGE_CASES, ids=[f"{c.__name__}-{kw}-{ok}" for c, kw, ok in RANGE_CASES])
+def test_hyperparameter_ranges_at_their_bounds(cls, kw, ok):
+    if ok:
+        loss = cls(**kw)
+        for name, value in kw.items():
+            assert getattr(loss, name, value) == value
+    else:
+        with pytest.raises(ValueError):
+            cls(**kw)
+
+
+def test_cross_batch_memory_starts_after_the_given_number_of_training_calls():
+    """``start_after=2``: the first two training calls score the batch alone, the third also against the memory
+    (which then holds both earlier batches); a memory of a single row is used too."""
+    torch.manual_seed(3)
+    xbm = CrossBatchMemory("contrastive", embedding_size=4, memory_size=16, start_after=2)
+    y = torch.tensor([0, 0, 1, 1])
+    z1, z2, z3 = torch.randn(4, 4), torch.randn(4, 4), torch.randn(4, 4)
+    torch.testing.assert_close(xbm(z1, y), ContrastiveLoss()(z1, y))
+    torch.testing.assert_close(xbm(z2, y), ContrastiveLoss()(z2, y))
+    expected = ContrastiveLoss()(z3, y, ref_embeddings=torch.cat([z1, z2]), ref_labels=torch.cat([y, y]))
+    torch.testing.assert_close(xbm(z3, y), expected)
+
+    single = CrossBatchMemory("contrastive", embedding_size=4, memory_size=16)
+    first = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
+    single(first, torch.tensor([0]))  # one row in the memory
+    z, labels = torch.tensor([[0.9, 0.1, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]]), torch.tensor([0, 1])
+    torch.testing.assert_close(single(z, labels), ContrastiveLoss()(z, labels, first, torch.tensor([0])))
+
+
+def test_losses_that_need_positive_pairs_are_rejected_on_batches_without_one():
+    """``needs_positive_pairs`` as checks.py reads it: a batch of distinct labels is refused for the memory-wrapped
+    loss too."""
+    from lightning_dml.checks import check_training_batch
+
+    for loss in (CrossBatchMemory("contrastive", embedding_size=4), ContrastiveLoss(), MultiSimilarityLoss()):
+        with pytest.raises(ValueError, match="needs positive pairs"):
+            check_training_batch(loss, torch.arange(6))
+        check_training_batch(loss, torch.tensor([0, 0, 1, 2]))  # one positive pair is enough
+
+
+# ------------------------------------------------------------------------------- cosines rounded beyond +-1
+def _beyond_one_batch(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row, its duplicate in the same class, its duplicate in another class and its opposite, whose normalised
+    products round beyond +-1 (the clamps of ``similarity_matrix`` and the closed forms' masks decide these
+    entries), and three other rows."""
+    from lightning_dml.losses.base import normalize_embeddings
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(10_000):
+        x = torch.randn(4, 8, generator=g, dtype=dtype)
+        z = torch.cat([x[:1], x[:1], x[:1], -x[:1], x[1:]])
+        u = normalize_embeddings(z)
+        raw = u @ u.T
+        if float(raw.max()) > 1.0 and float(raw.min()) < -1.0:
+            return z, torch.tensor([0, 0, 1, 2, 1, 2, 0])
+    raise AssertionError("no batch rounds beyond +-1")
+
+
+def _pair_losses_with_both_paths():
+    from lightning_dml.losses import AngularLoss, CircleLoss, FastAPLoss, MarginLoss, NCALoss, NTXentLoss
+    from lightning_dml.losses import SmoothAPLoss, SupConLoss
+
+    return _all_losses() + [
+        ContrastiveLoss(squared=True, squared_hinge=True), ContrastiveLoss(pos_margin=0.3, neg_margin=1.1),
+        ContrastiveLoss(pos_margin=0.2, reduction="mean", squared=True), ContrastiveLoss(reduction="sum"),
+        ContrastiveLoss(neg_margin=0.0), TripletLoss(squared=True), TripletLoss(margin=0.0, reduction="mean"),
+        TripletLoss(mining="batch_hard", squared=True, reduction="sum"), TupletMarginLoss(negatives="all"),
+        TupletMarginLoss(negatives="all", slack=0.0, variance_weight=0.0), CircleLoss(), CircleLoss(m=0.4, gamma=80),
+        SupConLoss(), NTXentLoss(), NCALoss(), NCALoss(4.0, "expected"), AngularLoss(), FastAPLoss(), SmoothAPLoss(),
+        MarginLoss(class_margins=False, sampling="all"), MarginLoss(class_margins=False, sampling="all", nu=0.1),
+        NPairLoss(variant="multi_positive"), NPairLoss(variant="multi_positive", l2_reg=0.0),
+        MultiSimilarityLoss(plus_one=False, on_empty="skip"), MultiSimilarityLoss(lam=1.0, eps=0.0),
+        LiftedStructureLoss(variant="generalized", alpha=10.0, beta=10.0), RankedListLoss(temperature=0.0),
+        GeneralPairWeightingLoss("pair_p", normalize=False), GeneralPairWeightingLoss("triplet_p", normalize=False),
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_closed_forms_equal_autograd_where_cosines_round_beyond_one(dtype):
+    """Duplicates and opposites whose cosines round to just above 1 or below -1: every closed-form path gives the
+    value and gradient of autograd through the clamps of the plain composition (zero gradient through a clamped
+    entry, the derivative at the clamp's edge)."""
+    z, y = _beyond_one_batch(dtype)
+    for loss in _pair_losses_with_both_paths():
+        results = []
+        for closed_form in (True, False):
+            loss.closed_form = closed_form
+            torch.manual_seed(0)  # the same random draws (TupletMargin's negatives, Margin's sampling) on both paths
+            zz = z.clone().requires_grad_(True)
+            value = loss(zz, y)
+            (grad,) = torch.autograd.grad(value, zz)
+            results.append((value.detach(), grad))
+        (v_closed, g_closed), (v_auto, g_auto) = results
+        torch.testing.assert_close(v_closed, v_auto, rtol=1e-5, atol=1e-6, msg=lambda m, loss=loss: f"{loss}: {m}")
+        torch.testing.assert_close(g_closed, g_auto, rtol=1e-4, atol=1e-6, msg=lambda m, loss=loss: f"{loss}: {m}")
+
+
+def _degenerate(case: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batches of ``DEGENERATE`` drawn from a fixed generator (that dict is drawn at import)."""
+    g = torch.Generator().manual_seed(1)
+    randn = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    return {
+        "one_sample_classes": lambda: (randn(6, 8), torch.tensor([0, 1, 2, 3, 4, 5])),
+        "one_class": lambda: (randn(6, 8), torch.zeros(6, dtype=torch.long)),
+        "singleton_plus_pairs": lambda: (randn(7, 8), torch.tensor([0, 0, 1, 1, 2, 2, 3])),
+        "duplicates": lambda: (randn(3, 8).repeat(4, 1), torch.tensor([0, 1, 2] * 4)),
+        "duplicates_across_classes": lambda: (randn(1, 8).repeat(6, 1), torch.tensor([0, 0, 1, 1, 2, 2])),
+        "single_item": lambda: (randn(1, 8), torch.tensor([3])),
+        "large_norm": lambda: (1e4 * randn(8, 8), torch.arange(8) % 2),
+        "zero_vectors": lambda: (torch.zeros(4, 8), torch.tensor([0, 0, 1, 1])),
+    }[case]()
+
+
+@pytest.mark.parametrize("case", sorted(DEGENERATE))
+def test_closed_forms_equal_autograd_on_degenerate_batches(case):
+    """Singletons, one class, duplicates, zero rows, large norms: the closed-form path and autograd through the
+    plain composition give one value and one gradient (empty sets give exactly the documented 0 on both). A pair of
+    duplicates sits at a distance of rounding size, where dD/dS = -1/D is ~1e4: the two paths' roundings of the
+    same products then differ by up to ~1e-4 in the gradient, so duplicates are held to 1e-3 there."""
+    z, y = _degenerate(case)
+    grad_atol = 1e-3 if case.startswith("duplicates") else 1e-5
+    for loss in _pair_losses_with_both_paths():
+        if case == "large_norm" and isinstance(loss, NPairLoss) and loss.variant != "multi_positive":
+            continue  # raw inner products of norm-1e4 vectors: scale dependent by design
+        results = []
+        for closed_form in (True, False):
+            loss.closed_form = closed_form
+            torch.manual_seed(0)
+            zz = z.clone().requires_grad_(True)
+            value = loss(zz, y)
+            (grad,) = torch.autograd.grad(value, zz, allow_unused=True)
+            results.append((value.detach(), torch.zeros_like(z) if grad is None else grad))
+        (v_closed, g_closed), (v_auto, g_auto) = results
+        torch.testing.assert_close(v_closed, v_auto, rtol=1e-5, atol=1e-6, msg=lambda m, loss=loss: f"{loss}: {m}")
+        torch.testing.assert_close(g_closed, g_auto, rtol=1e-4, atol=grad_atol, msg=lambda m, loss=loss: f"{loss}: {m}")
+
+
+def test_gpw_custom_preset_starts_from_constant_threshold_mining():
+    """``preset="custom"`` (docstring): threshold mining with m1 = 0, m2 = 0.8 and constant weights; the power and
+    exponential weightings given without their parameters (p = q = 0, alpha = beta = 0) are constant too."""
+    custom = GeneralPairWeightingLoss("custom")
+    assert (custom.form, custom.mining, custom.weighting, custom.m1, custom.m2) == ("pair", "threshold", "constant",
+                                                                                   0.0, 0.8)
+    assert (custom.margin, custom.eps, custom.normalize_weights) == (0.1, 0.1, True)
+    torch.manual_seed(4)
+    z, y = torch.randn(16, 8, dtype=torch.float64), torch.arange(16) % 4
+    expected = custom(z, y)
+    for weighting in ("power", "exp"):
+        torch.testing.assert_close(GeneralPairWeightingLoss("custom", weighting=weighting)(z, y), expected)
+
+
+def test_registry_refuses_a_second_class_under_a_taken_name_and_suggests_three_names():
+    from lightning_dml.losses.registry import register_loss
+
+    class Other(torch.nn.Module):
+        pass
+
+    with pytest.raises(ValueError, match="already registered to ContrastiveLoss"):
+        register_loss("contrastive")(Other)
+    assert LOSSES["contrastive"] is ContrastiveLoss
+    assert register_loss("contrastive")(ContrastiveLoss) is ContrastiveLoss  # the same class again: no error
+    with pytest.raises(ValueError, match=r"Did you mean 'cosface' or 'contrastive' or 'arcface'\?"):
+        build_loss("contrface")  # four names are close (subcenter_arcface too): the three closest are given

@@ -227,3 +227,53 @@ def test_tml_random_negatives_pick_one_per_other_class():
     z = torch.randn(8, 4)
     a, b = loss(z, labels), TupletMarginLoss(seed=3)(z, labels)
     assert torch.equal(a, b) and torch.isfinite(a)
+
+
+def test_tml_positive_pairs_at_angle_zero_and_pi_have_a_finite_gradient():
+    """Exact duplicates (cosine 1) and opposites (cosine -1) among the positive pairs: TML clamps the cosine to
+    ``[-1 + 1e-7, 1 - 1e-7]`` before ``acos`` (whose derivative is infinite at +-1), so value and gradient are the
+    loop reference's, finite."""
+    e = torch.eye(4, dtype=torch.float64)
+    z = torch.stack([e[0], e[0], -e[0], e[1], e[1] + 0.5 * e[2], e[2], e[3], -e[2]])
+    y = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2])
+    for kw in ({"negatives": "all"}, {"negatives": "all", "slack": 0.0, "variance_weight": 0.0}):
+        zz = z.clone().requires_grad_(True)
+        value = TupletMarginLoss(**kw)(zz, y)
+        (grad,) = torch.autograd.grad(value, zz)
+        zr = z.clone().requires_grad_(True)
+        expected = ref.tuplet_margin_all_negatives(zr, y, **{k: v for k, v in kw.items() if k != "negatives"})
+        (grad_ref,) = torch.autograd.grad(expected, zr)
+        assert torch.isfinite(value) and torch.isfinite(grad).all()
+        torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-7)
+
+
+def test_tml_random_negatives_keep_one_candidate_of_every_class_that_has_one():
+    """Candidates that leave out part of a class (an anchor's own class, or masked columns): every class with a
+    candidate keeps exactly one of its candidates and a class without one keeps none, over many draws."""
+    from lightning_dml.losses.tuplet_margin import _one_negative_per_class
+
+    labels = torch.tensor([0, 0, 1, 1, 1, 2, 2, 3, 3])
+    candidates = torch.tensor([
+        [False, False, True, False, True, True, True, False, False],  # class 1 partly, class 2 wholly, not 3
+        [True, False, False, True, False, False, True, True, True],
+        [False, True, True, True, True, False, False, False, True],
+    ])
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        chosen = _one_negative_per_class(candidates, labels, generator)
+        assert not (chosen & ~candidates).any()
+        for row in range(3):
+            for c in range(4):
+                wanted = int(bool((candidates[row] & (labels == c)).any()))
+                assert int((chosen[row] & (labels == c)).sum()) == wanted
+
+
+def test_tml_seeded_draws_move_on_from_call_to_call():
+    """``seed``: two losses with one seed draw the same negatives; one loss's generator moves on between calls."""
+    torch.manual_seed(0)
+    z, y = torch.randn(24, 6), torch.arange(24) % 6
+    a, b = TupletMarginLoss(seed=3), TupletMarginLoss(seed=3)
+    first = a(z, y)
+    assert torch.equal(first, b(z, y))
+    assert not torch.equal(a(z, y), first)

@@ -102,3 +102,36 @@ def test_batch_hard_mining_is_gpw_eq_20(seed):
             assert float(D[i][hp[i]]) == max(float(D[i, j]) for j in P)
         if N:
             assert float(D[i][hn[i]]) == min(float(D[i, k]) for k in N)  # closest negative ([R] correction)
+
+
+# ------------------------------------------------------------------------------------------------ exact ties, edges
+def test_threshold_and_triplet_margin_rules_keep_exact_ties():
+    """GPW Eqs. 16-17 and 19 are inclusive: a positive at exactly ``m1``, a negative at exactly ``m2``, a positive
+    exactly ``margin`` closer than the hardest negative are kept (the strict RLL form drops them). The distances are
+    exact binary fractions."""
+    dist = torch.tensor([[0.0, 0.25, 0.5, 0.75], [0.25, 0.0, 0.75, 0.5]])
+    pos = torch.tensor([[False, True, False, False], [True, False, False, False]])
+    neg = torch.tensor([[False, False, True, True], [False, False, True, True]])
+    kp, kn = threshold_mining(dist, pos, neg, 0.25, 0.5)
+    assert kp.tolist() == pos.tolist() and kn.tolist() == [[False, False, True, False], [False, False, False, True]]
+    kp, kn = threshold_mining(dist, pos, neg, 0.25, 0.5, strict=True)
+    assert not kp.any() and not kn.any()
+    # anchor 0: D_pos = 0.25, hardest negative 0.5: kept at margin 0.25 (0.25 + 0.25 >= 0.5), the 0.75 negative is
+    # within 0.25 + margin only for margin >= 0.5
+    kp, kn = triplet_margin_pair_mining(dist, pos, neg, 0.25)
+    assert kp[0].tolist() == [False, True, False, False]
+    assert kn[0].tolist() == [False, False, True, False]
+    kp, kn = triplet_margin_pair_mining(dist, pos, neg, 0.125)
+    assert not kp[0].any()
+
+
+def test_positive_index_pads_with_zero_and_positive_pairs_of_an_empty_batch():
+    pos = torch.tensor([[False, True, True, False], [False, False, False, False], [True, False, False, True]])
+    index, valid = positive_index(pos)
+    assert index.tolist() == [[1, 2], [0, 0], [0, 3]]  # padding: column 0, never read where valid is False
+    assert valid.tolist() == [[True, True], [False, False], [True, True]]
+    empty = torch.zeros(0, dtype=torch.long)
+    rows, cols = positive_pairs(empty)
+    assert rows.numel() == 0 and cols.numel() == 0
+    rows, cols = positive_pairs(empty, torch.tensor([3, 3]))  # anchors none, gallery two
+    assert rows.numel() == 0 and cols.numel() == 0

@@ -4,7 +4,16 @@ Every pair-based paper in this library trains on batches of ``P`` classes with `
 GPW: P = 16, K = 5, RLL: P = 60, K = 3, TML: P = 32, K = 8). A uniformly random batch of a dataset with
 thousands of classes holds almost no positive pairs, so the sampler is what makes a pair loss trainable.
 The N-pair paper (Sohn 2016, Sec. 3.2) uses N classes x 2 images and, for large label sets, chooses the N
-classes by greedy hard negative *class* mining (Sec. 3.2.1): :class:`NPairSampler`.
+classes by greedy hard negative *class* mining (Sec. 3.2.1): :class:`NPairSampler`. Data with categories (SOP's 12
+super-categories, a product catalogue's departments) can draw C categories x P classes x K items, so that every
+batch holds classes of one category side by side, the hard negatives (OML's ``CategoryBalanceSampler``):
+:class:`CategoryBalancedSampler`. Items with label sets (several labels each) are drawn P labels x K items, each
+item counted under each of its labels: :class:`LabelSetSampler`.
+
+All of them are :class:`BalancedClassSampler` subclasses and share its machinery: the global batch sequence drawn
+from ``(seed, epoch)``, the DDP sharding by batch, the batch seeds, :meth:`~BalancedClassSampler.state_dict` and
+:meth:`~BalancedClassSampler.load_state_dict`; each only says how one global batch is drawn. The draws of classes
+(and categories) in rounds are one function, :func:`take_distinct`.
 
 DDP: the samplers are *batch* samplers that shard themselves (see :class:`BalancedClassSampler`). Lightning's
 automatic sampler replacement must be off for them (``Trainer(use_distributed_sampler=False)``; the data modules
@@ -65,6 +74,31 @@ def batch_seed(augmentation_seed: int, epoch: int, batch: int) -> int:
     return (int(words[0]) << 31) ^ int(words[1])
 
 
+def take_distinct(rng: np.random.Generator, queue: list[int], count: int, population: int) -> list[int]:
+    """Take the first ``count`` distinct entries of ``queue`` (positions ``0 .. population - 1``), topping it up
+    with a fresh permutation of *all* ``population`` positions when fewer than ``count`` are left.
+
+    ``queue`` is a sequence of rounds, each a permutation of every position, so every position is drawn once per
+    round and the number of draws of any two positions differs by at most one after every call. A position still
+    pending from the previous round when the next one is appended may appear twice among the first ``count``
+    entries: its second entry is skipped for this call and stays first in the queue (never the same position twice
+    in one call), not dropped from its round. ``count`` must be at most ``population``."""
+    if len(queue) < count:
+        queue.extend(int(c) for c in rng.permutation(population))
+    chosen: list[int] = []
+    deferred: list[int] = []
+    taken = 0
+    while len(chosen) < count:
+        c = queue[taken]
+        taken += 1
+        if c in chosen:  # already taken by this call: keep it for the next one
+            deferred.append(c)
+        else:
+            chosen.append(c)
+    queue[:taken] = deferred
+    return chosen
+
+
 class BalancedClassSampler(Sampler[list[int]]):
     """Batch sampler of ``classes_per_batch`` (P) classes x ``samples_per_class`` (K) items.
 
@@ -108,32 +142,38 @@ class BalancedClassSampler(Sampler[list[int]]):
         augmentation_seed: int | None = None,
     ) -> None:
         labels = np.asarray(torch.as_tensor(labels).cpu().numpy())
-        if labels.ndim != 1 or labels.size == 0:
-            raise ValueError(f"labels must be a non-empty 1-d sequence, got shape {labels.shape}")
-        if not np.issubdtype(labels.dtype, np.integer):
-            raise ValueError(f"labels must be integers, got dtype {labels.dtype}")
         if classes_per_batch < 1 or samples_per_class < 1:
             raise ValueError(
                 f"classes_per_batch and samples_per_class must be >= 1, got {classes_per_batch} and {samples_per_class}"
             )
-        self.classes, inverse = np.unique(labels, return_inverse=True)
+        #: ``classes``: the distinct labels, sorted; ``members[c]``: the items of class position ``c``
+        self.classes, self.members, self.num_items = self._groups(labels)
         if classes_per_batch > len(self.classes):
             raise ValueError(
                 f"classes_per_batch={classes_per_batch} but the dataset has only {len(self.classes)} classes"
             )
-        order = np.argsort(inverse, kind="stable")
-        bounds = np.cumsum(np.bincount(inverse, minlength=len(self.classes)))[:-1]
-        self.members: list[np.ndarray] = np.split(order, bounds)
         self.classes_per_batch = int(classes_per_batch)
         self.samples_per_class = int(samples_per_class)
         self.batch_size = self.classes_per_batch * self.samples_per_class
         self.seed = int(seed)
         self.num_replicas, self.rank = _distributed_context(num_replicas, rank)
-        self.num_items = len(labels)
         self.augmentation_seed = int(torch.initial_seed() if augmentation_seed is None else augmentation_seed)
         self.epoch = 0
         self._resume_epoch: int | None = None
         self._resume_batches = 0
+
+    @staticmethod
+    def _groups(labels: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], int]:
+        """``(classes, members, num_items)``: the sorted distinct labels, the items of each (ascending) and the
+        number of items an epoch counts. Subclasses with another notion of "class" override this."""
+        if labels.ndim != 1 or labels.size == 0:
+            raise ValueError(f"labels must be a non-empty 1-d sequence, got shape {labels.shape}")
+        if not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(f"labels must be integers, got dtype {labels.dtype}")
+        classes, inverse = np.unique(labels, return_inverse=True)
+        order = np.argsort(inverse, kind="stable")
+        bounds = np.cumsum(np.bincount(inverse, minlength=len(classes)))[:-1]
+        return classes, np.split(order, bounds), len(labels)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next iteration draw the batches of ``epoch`` (called by Lightning at each epoch start)."""
@@ -151,14 +191,9 @@ class BalancedClassSampler(Sampler[list[int]]):
 
     # ------------------------------------------------------------------ batch construction
     def _next_classes(self, rng: np.random.Generator, queue: list[int]) -> list[int]:
-        """Take P classes from ``queue`` (class positions), topping it up with a fresh permutation."""
-        if len(queue) < self.classes_per_batch:
-            pending = set(queue)
-            # never put the same class twice in one batch
-            queue.extend(int(c) for c in rng.permutation(len(self.members)) if c not in pending)
-        chosen = queue[: self.classes_per_batch]
-        del queue[: self.classes_per_batch]
-        return chosen
+        """Take P distinct classes (positions) from ``queue``, a sequence of rounds of all classes
+        (:func:`take_distinct`): every class is drawn once per round, never twice in one batch."""
+        return take_distinct(rng, queue, self.classes_per_batch, len(self.members))
 
     def _items(self, rng: np.random.Generator, chosen: Sequence[int]) -> list[int]:
         batch: list[int] = []
@@ -331,6 +366,176 @@ class NPairSampler(BalancedClassSampler):
             yield self._items(rng, self.mine_classes(rng, candidates))
 
 
+class CategoryBalancedSampler(BalancedClassSampler):
+    """Batch sampler of ``categories_per_batch`` (C) categories x ``classes_per_batch`` (P) classes of each x
+    ``samples_per_class`` (K) items: batches of C * P * K items.
+
+    For data whose classes fall into categories (Stanford Online Products' 12 super-categories, a catalogue's
+    departments), as open-metric-learning's ``CategoryBalanceSampler`` draws them (``n_categories``, ``n_labels``,
+    ``n_instances``): the P classes of one category sit side by side in a batch, so the negatives a pair loss sees
+    are mostly the hard ones of the same category. Every class must belong to exactly one category.
+
+    Draws, per global batch:
+
+    * C distinct categories: ``category_weights="classes"`` (default, OML's ``weight_categories=True``) draws them
+      without replacement with probability proportional to their number of classes, so every class is drawn about
+      equally often whatever the category sizes; ``"uniform"`` takes them in rounds of all categories
+      (:func:`take_distinct`: every category once per round, the counts of any two categories differ by at most one).
+    * P distinct classes of each drawn category, in rounds of that category's classes (:func:`take_distinct`: the
+      classes of a category are drawn equally often).
+    * K items of each class, without replacement (with replacement for a class of fewer than K items), as
+      :class:`BalancedClassSampler` does.
+
+    A batch is laid out category by category, class by class: ``[category 1: class 1 x K, ..., class P x K],
+    [category 2: ...]``. An epoch has ``len(labels) // (C * P * K)`` batches across all processes (at least one per
+    process). Epochs, DDP sharding (every process takes every ``num_replicas``-th batch of one global sequence),
+    batch seeds and exact mid-epoch resume (:meth:`state_dict` / :meth:`load_state_dict`) are those of
+    :class:`BalancedClassSampler`.
+
+    Args:
+        labels: class label of every item (position = dataset index).
+        categories: category id of every item (integers; every item of a class has the same one).
+        categories_per_batch: C, distinct categories per batch (at most the number of categories).
+        classes_per_batch: P, distinct classes of each category per batch: every category needs at least P
+            classes (an error names the ones with fewer).
+        samples_per_class: K, items of each class.
+        category_weights: ``"classes"`` or ``"uniform"`` (see above).
+        seed, num_replicas, rank, augmentation_seed: as in :class:`BalancedClassSampler`.
+    """
+
+    def __init__(
+        self,
+        labels: Sequence[int] | torch.Tensor | np.ndarray,
+        categories: Sequence[int] | torch.Tensor | np.ndarray,
+        categories_per_batch: int,
+        classes_per_batch: int,
+        samples_per_class: int,
+        seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        augmentation_seed: int | None = None,
+        category_weights: str = "classes",
+    ) -> None:
+        super().__init__(labels, classes_per_batch, samples_per_class, seed, num_replicas, rank, augmentation_seed)
+        categories = np.asarray(torch.as_tensor(categories).cpu().numpy())
+        if categories.shape != (self.num_items,):
+            raise ValueError(f"categories must have shape ({self.num_items},) like labels, got {categories.shape}")
+        if not np.issubdtype(categories.dtype, np.integer):
+            raise ValueError(f"categories must be integers, got dtype {categories.dtype}")
+        if category_weights not in ("classes", "uniform"):
+            raise ValueError(f"category_weights must be 'classes' or 'uniform', got {category_weights!r}")
+        if categories_per_batch < 1:
+            raise ValueError(f"categories_per_batch must be >= 1, got {categories_per_batch}")
+        class_category = np.empty(len(self.classes), dtype=categories.dtype)
+        for c, items in enumerate(self.members):
+            found = np.unique(categories[items])
+            if len(found) > 1:
+                raise ValueError(
+                    f"class {self.classes[c]} has items in {len(found)} categories ({found[:4].tolist()}): every "
+                    "class must belong to one category"
+                )
+            class_category[c] = found[0]
+        #: the distinct category ids, sorted; ``category_classes[j]``: the class positions of category ``j``
+        self.categories, owner = np.unique(class_category, return_inverse=True)
+        self.category_classes: list[np.ndarray] = [np.flatnonzero(owner == j) for j in range(len(self.categories))]
+        if categories_per_batch > len(self.categories):
+            raise ValueError(
+                f"categories_per_batch={categories_per_batch} but the data has only {len(self.categories)} categories"
+            )
+        small = [(int(self.categories[j]), len(c)) for j, c in enumerate(self.category_classes) if len(c) < self.classes_per_batch]
+        if small:
+            shown = ", ".join(f"category {cat}: {n} classes" for cat, n in small[:5])
+            more = f" and {len(small) - 5} more" if len(small) > 5 else ""
+            raise ValueError(
+                f"classes_per_batch={self.classes_per_batch} distinct classes per category, but {len(small)} "
+                f"categories have fewer ({shown}{more}): lower classes_per_batch or merge the small categories"
+            )
+        self.categories_per_batch = int(categories_per_batch)
+        self.category_weights = category_weights
+        sizes = np.array([len(c) for c in self.category_classes], dtype=np.float64)
+        self._weights = sizes / sizes.sum() if category_weights == "classes" else None
+        self.batch_size = self.categories_per_batch * self.classes_per_batch * self.samples_per_class
+
+    def _global_batches(self) -> Iterator[list[int]]:
+        rng = np.random.default_rng([self.seed, self.epoch])
+        category_queue: list[int] = []
+        class_queues: list[list[int]] = [[] for _ in self.category_classes]
+        while True:
+            if self._weights is None:
+                drawn = take_distinct(rng, category_queue, self.categories_per_batch, len(self.category_classes))
+            else:
+                drawn = rng.choice(
+                    len(self.category_classes), size=self.categories_per_batch, replace=False, p=self._weights
+                ).tolist()
+            chosen: list[int] = []
+            for j in drawn:
+                classes = self.category_classes[j]
+                chosen.extend(int(classes[i]) for i in take_distinct(rng, class_queues[j], self.classes_per_batch, len(classes)))
+            yield self._items(rng, chosen)
+
+
+class LabelSetSampler(BalancedClassSampler):
+    """P x K batches for items with label sets: ``classes_per_batch`` (P) labels x ``samples_per_class`` (K) items
+    carrying each.
+
+    ``labels`` is ``[N, L]``, each row an item's labels padded with -1 (a 1-d ``[N]`` is one label per item). Each
+    item is counted under each of its labels: the members of label ``l`` are all items whose set holds ``l``. The
+    P labels of a batch are drawn like :class:`BalancedClassSampler`'s classes (in rounds of all labels, never twice
+    in one batch), then K items of each label, avoiding items already in the batch: K distinct items of a label
+    that has at least K, and every item at most once in the batch when the label has K items not yet drawn for an
+    earlier label of the batch; otherwise the label's remaining items are taken and the rest is drawn from its items
+    already in the batch (so such an item appears twice), and a label of fewer than K items is drawn with
+    replacement.
+
+    What "a class of the batch" means here: each of the P drawn labels, with the K items drawn for it, in that
+    order (``[label 1 x K, ..., label P x K]``). The batch may hold more positive pairs than the P groups give:
+    two items are positive when their sets intersect, and an item drawn for one label may carry another of the
+    batch's labels (or a label not drawn that another item also carries). Items without any label (all -1) are
+    never drawn. An epoch has ``(items with a label) // (P * K)`` batches across all processes. Epochs, DDP
+    sharding, batch seeds and exact resume are those of :class:`BalancedClassSampler`.
+
+    Args:
+        labels: ``[N, L]`` label sets padded with -1 (or ``[N]`` labels).
+        classes_per_batch: P, distinct labels per batch. samples_per_class: K, items per label.
+        seed, num_replicas, rank, augmentation_seed: as in :class:`BalancedClassSampler`.
+    """
+
+    @staticmethod
+    def _groups(labels: np.ndarray) -> tuple[np.ndarray, list[np.ndarray], int]:
+        if labels.ndim == 1:
+            labels = labels[:, None]
+        if labels.ndim != 2 or labels.size == 0:
+            raise ValueError(f"labels must be [N, L] label sets padded with -1 (or [N]), got shape {labels.shape}")
+        if not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(f"labels must be integers, got dtype {labels.dtype}")
+        if bool((labels < -1).any()):
+            raise ValueError(f"labels must be >= 0, or -1 for padding; found {int(labels.min())}")
+        rows, slots = np.nonzero(labels >= 0)
+        if rows.size == 0:
+            raise ValueError("no item has a label (every row is -1)")
+        values = labels[rows, slots]
+        pairs = np.unique(np.stack([values, rows], axis=1), axis=0)  # (label, item) once each, label-major
+        classes, starts = np.unique(pairs[:, 0], return_index=True)
+        return classes, np.split(pairs[:, 1], starts[1:]), len(np.unique(rows))
+
+    def _items(self, rng: np.random.Generator, chosen: Sequence[int]) -> list[int]:
+        batch: list[int] = []
+        k = self.samples_per_class
+        for c in chosen:
+            items = self.members[c]
+            if len(items) < k:
+                batch.extend(rng.choice(items, size=k, replace=True).tolist())
+                continue
+            used = np.isin(items, batch)
+            fresh = items[~used]
+            if len(fresh) >= k:
+                batch.extend(rng.choice(fresh, size=k, replace=False).tolist())
+            else:
+                batch.extend(fresh.tolist())
+                batch.extend(rng.choice(items[used], size=k - len(fresh), replace=False).tolist())
+        return batch
+
+
 class EvalShardSampler(DistributedSampler):
     """Ordered evaluation shard of process ``rank``: items ``rank, rank + W, rank + 2W, ...`` (no padding).
 
@@ -351,4 +556,13 @@ class EvalShardSampler(DistributedSampler):
         return self.num_samples
 
 
-__all__ = ["BalancedClassSampler", "EvalShardSampler", "NPairSampler", "SeededBatch", "batch_seed"]
+__all__ = [
+    "BalancedClassSampler",
+    "CategoryBalancedSampler",
+    "EvalShardSampler",
+    "LabelSetSampler",
+    "NPairSampler",
+    "SeededBatch",
+    "batch_seed",
+    "take_distinct",
+]

@@ -139,8 +139,11 @@ class MultiSimilarityLoss(PairLoss):
         shift = torch.where(nonempty & torch.isfinite(shift), shift, 0.0)
         if self.plus_one:
             shift = shift.clamp(min=0.0)
-        # exponents below -87 would give fp32 denormals (slow): raise them to -87; their terms are < 2e-38
-        e = torch.mul(sim, sign * scale).sub_((sign * scale * self.lam + shift)[:, None]).clamp_(min=-87.0).exp_()
+        # exponents below -87 would give fp32 denormals (slow): raise them to -87; their terms are < 2e-38. A kept
+        # entry's exponent is <= 0 (the shift is its set's hardest), but the entries the mask drops next (the
+        # self-pair, the other set) can exceed it by up to 2 * scale: capped at 80, their exp stays finite and the
+        # mask gives 0 (not 0 * inf = NaN, which scales above ~170 gave)
+        e = torch.mul(sim, sign * scale).sub_((sign * scale * self.lam + shift)[:, None]).clamp_(-87.0, 80.0).exp_()
         e.mul_(kept)
         total = e.sum(1)
         if self.plus_one:

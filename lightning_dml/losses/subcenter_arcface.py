@@ -17,6 +17,8 @@ class SubCenterArcFaceLoss(ArcFaceLoss):
 
     then the ArcFace loss (:class:`~lightning_dml.losses.ArcFaceLoss`, ArcFace Eq. 3) on these angles: the sample
     is pulled to the nearest sub-centre of its class and pushed from the nearest sub-centre of every other class.
+    Where several sub-centres of a class are equally near (identical sub-centres), the first of them is the
+    nearest: the loss's gradient reaches that one only.
 
     Args:
         num_classes: number of classes; filled in by ``DMLModule`` when left out.
