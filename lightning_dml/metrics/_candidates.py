@@ -158,6 +158,11 @@ class PairWindows:
     certainly above the window) and collects those with approximate score in ``[low[i] - W, high[i] + W]`` (every
     pair whose exact score lies in the window is among them). Every exact count ``#{S > v}`` with ``v`` in the
     window is then ``above[i]`` + the collected pairs' exact count. Excluded pairs are never counted.
+
+    A window expected to have few pairs at or above its bottom (``sparse``: the far upper tail, the usual low false
+    match rates) is served by one comparison per tile and a sparse extraction of those pairs, split by value into
+    counted and collected ones; the others by two comparisons (above the top: counted; at or above the bottom and
+    not above the top: collected).
     """
 
     low: Tensor  # float64 [m]
@@ -165,17 +170,10 @@ class PairWindows:
     cut_above: Tensor  # float32 [m]: approx > cut_above[i] counts as above window i
     cut_below: Tensor  # float32 [m]: approx >= cut_below[i] (and not above) is collected
     above: Tensor  # int64 [m]
+    sparse: list[bool]  # window i lies in the far upper tail: one comparison and a sparse extraction serve it
     q_rows: list[Tensor]  # collected pairs: query rows, gallery positions, window index
     gpos: list[Tensor]
     window: list[Tensor]
-
-    def merged(self, others: list[PairWindows]) -> PairWindows:
-        """These windows with the counts and collections of other processes added."""
-        return replace(
-            self, above=sum((o.above for o in others), self.above.clone()),
-            q_rows=[t for o in [self, *others] for t in o.q_rows], gpos=[t for o in [self, *others] for t in o.gpos],
-            window=[t for o in [self, *others] for t in o.window],
-        )
 
 
 @dataclass

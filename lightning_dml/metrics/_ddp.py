@@ -11,6 +11,7 @@ each process's device (gloo on CPU, NCCL on CUDA).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -104,15 +105,16 @@ def _gather_windows(windows: PairWindows, group: Any) -> PairWindows:
     (above,) = all_gather_uneven(windows.above.unsqueeze(0), group=group)
     qs, gs, ws = all_gather_uneven(q, g, w, group=group)
     total = torch.cat(above).sum(dim=0)
-    return PairWindows(windows.low, windows.high, windows.cut_above, windows.cut_below, total, qs, gs, ws)
+    return replace(windows, above=total, q_rows=qs, gpos=gs, window=ws)
 
 
 def _agreed_windows(windows: PairWindows, bound: float, group: Any) -> PairWindows:
     """Rank 0's windows on every process (the sample's approximate scores may differ in their last bits between
     processes; the windows only need to be the same everywhere, not to be any particular ones)."""
-    (edges,) = all_gather_uneven(torch.stack([windows.low, windows.high]).unsqueeze(0), group=group)
-    low, high = edges[0][0]
-    return make_windows(low.tolist(), high.tolist(), bound, windows.low.device)
+    sparse = torch.tensor(windows.sparse, dtype=torch.float64, device=windows.low.device)
+    (edges,) = all_gather_uneven(torch.stack([windows.low, windows.high, sparse]).unsqueeze(0), group=group)
+    low, high, flags = edges[0][0]
+    return make_windows(low.tolist(), high.tolist(), bound, windows.low.device, [bool(v) for v in flags.tolist()])
 
 
 def _windows_pass(

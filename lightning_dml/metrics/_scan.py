@@ -233,6 +233,17 @@ def _count_windows(
     """
     above = torch.empty(a.shape, dtype=torch.bool, device=a.device)
     for i in range(windows.low.numel()):
+        if windows.sparse[i]:  # few pairs at or above the bottom: extract them all, split them by value
+            torch.ge(a, windows.cut_below[i], out=m)
+            r, c = true_pairs(m, 1)
+            if r.numel():
+                over = a[r, c] > windows.cut_above[i]
+                windows.above[i] += over.sum() * weight
+                r, c = r[~over], c[~over]
+                windows.q_rows.append(rows[r])
+                windows.gpos.append(c + c0)
+                windows.window.append(torch.full_like(r, i * 2 + (weight - 1)))
+            continue
         torch.gt(a, windows.cut_above[i], out=above)
         windows.above[i] += count_true(above, 1).sum() * weight
         torch.ge(a, windows.cut_below[i], out=m)
@@ -466,7 +477,7 @@ def plan_windows(
     above_bins = torch.cumsum(hist, 0)  # pairs at or above each bin (descending)
     pairs = int(above_bins[-1])
     bins = torch.arange(hist.numel() - 1, -1, -1, device=task.device)
-    low, high = [], []
+    low, high, sparse = [], [], []
     for f in fmrs:
         target = f * pairs  # the sample's pairs ranked above the threshold (positives included: a fine estimate)
         spread = z * math.sqrt(max(target * (1 - f), 1.0)) + 1
@@ -476,16 +487,27 @@ def plan_windows(
         bottom = -math.inf if lo_i >= hist.numel() else float(bin_floor(bins[lo_i : lo_i + 1])[0])
         low.append(bottom - bound)  # sample approximate scores -> exact scores
         high.append(top + bound)
-    return make_windows(low, high, bound, task.device)
+        # the sample's pairs at or above the pass's cut (bottom - 2 bound): few for the far upper tail
+        cut_bin = int(float_key(torch.tensor([bottom - 2 * bound], dtype=torch.float32))) if math.isfinite(bottom) else 0
+        sparse.append(float(hist[: hist.numel() - cut_bin].sum()) <= SPARSE_FRACTION * max(pairs, 1))
+    return make_windows(low, high, bound, task.device, sparse)
 
 
-def make_windows(low: list[float], high: list[float], bound: float, device: torch.device) -> PairWindows:
-    """Empty :class:`PairWindows` for exact-score windows ``[low[i], high[i]]`` and approximation bound ``bound``."""
+#: a window whose bottom is expected to have at most this fraction of the pairs at or above it is ``sparse``
+SPARSE_FRACTION = 0.01
+
+
+def make_windows(
+    low: list[float], high: list[float], bound: float, device: torch.device, sparse: list[bool] | None = None
+) -> PairWindows:
+    """Empty :class:`PairWindows` for exact-score windows ``[low[i], high[i]]`` and approximation bound ``bound``
+    (``sparse``: which windows lie in the far upper tail; default none)."""
     lo = torch.tensor(low, dtype=torch.float64, device=device)
     hi = torch.tensor(high, dtype=torch.float64, device=device)
     return PairWindows(
         low=lo, high=hi, cut_above=round_up(hi + bound), cut_below=round_down(lo - bound),
         above=torch.zeros(lo.numel(), dtype=torch.long, device=device), q_rows=[], gpos=[], window=[],
+        sparse=list(sparse) if sparse is not None else [False] * len(low),
     )
 
 
