@@ -95,6 +95,11 @@ class DMLModule(pl.LightningModule):
         scheduler_interval: ``"epoch"`` or ``"step"``.
         recall_at: the K of the logged Recall@K.
         clustering: also compute NMI and F1 of a k-means clustering at evaluation.
+        metrics: more evaluation metrics by name (:class:`~lightning_dml.metrics.RetrievalMetrics`,
+            ``docs/metrics.md``): ``precision@K``, ``ndcg@K``, ``mrr``, ``map``, ``fnmr@fmr=F`` (e.g.
+            ``["precision@10", "mrr", "fnmr@fmr=0.001"]``); checked when the module is built. Evaluation batches
+            with categories (:class:`~lightning_dml.data.CSVDataModule`) also give every metric per category,
+            ``val/category/<name>/recall@1``, named by the data module's ``category_names``.
         gather_distributed: under DDP, score each process's batch against the embeddings of all processes
             (autograd-aware all-gather), so every anchor sees the negatives of the global batch: the loss and
             the gradients equal one process holding the global batch, for every loss and reduction option
@@ -167,6 +172,7 @@ class DMLModule(pl.LightningModule):
         loss_weight_decay: float = 0.0,
         layer_decay: float | None = None,
         loss_sizes: dict[str, int] | None = None,
+        metrics: Sequence[str] = (),
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["backbone", "loss", "optimizer", "lr_scheduler"])
@@ -223,7 +229,8 @@ class DMLModule(pl.LightningModule):
         self.scheduler_interval = scheduler_interval
         self.head_lr_multiplier = head_lr_multiplier
         self.gather_distributed = gather_distributed
-        metric_args = {"recall_at": tuple(recall_at), "clustering": clustering}
+        metrics = (metrics,) if isinstance(metrics, str) else tuple(metrics)  # one name or a list of names
+        metric_args = {"recall_at": tuple(recall_at), "clustering": clustering, "metrics": metrics}
         self.val_metrics = RetrievalMetrics(**metric_args)
         self.test_metrics = RetrievalMetrics(**metric_args)
 
@@ -459,7 +466,16 @@ class DMLModule(pl.LightningModule):
             return gathered_loss(loss, embeddings, labels)
         return loss(embeddings, labels)
 
+    def _adopt_category_names(self, datamodule: Any) -> None:
+        """Name the per-category metrics by the data module's ``category_names`` (a list indexed by category id, or
+        a dict), when it has them."""
+        names = getattr(datamodule, "category_names", None)
+        if names:
+            for metric in (self.val_metrics, self.test_metrics):
+                metric.category_names = dict(names) if isinstance(names, dict) else list(names)
+
     def setup(self, stage: str) -> None:
+        self._adopt_category_names(getattr(self.trainer, "datamodule", None))
         if stage == "fit":  # before any step: a loss and sampler that give no positive pairs cannot train
             datamodule = getattr(self.trainer, "datamodule", None)
             check_fit_combination(self.loss, datamodule)

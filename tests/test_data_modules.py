@@ -246,7 +246,7 @@ def test_csv_without_header_and_with_query_gallery(trees, tmp_path):
     _setup(dm)
     assert int(dm.test_dataset.query_mask.sum()) == 5 and int(dm.test_dataset.gallery_mask.sum()) == 10
     (tmp_path / "bad.csv").write_text(lines[0].rsplit(",", 1)[0] + ",validation\n")
-    with pytest.raises(ValueError, match="line 1: split must be"):
+    with pytest.raises(ValueError, match="row 1, column 'split': unknown split 'validation'; expected train, test"):
         ImageFolderDataModule(tmp_path / "bad.csv", **SMALL).setup()
 
 

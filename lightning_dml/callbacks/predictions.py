@@ -49,6 +49,26 @@ def _sorted_unique(merged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     }
 
 
+def _item_fields(dataset: Any, indices: torch.Tensor) -> dict[str, torch.Tensor | None]:
+    """The dataset's query/gallery masks, sequence and category ids of the items ``indices`` (``None`` where the
+    dataset has no such field)."""
+    out: dict[str, torch.Tensor | None] = {}
+    for name, dtype in (("query_mask", torch.bool), ("gallery_mask", torch.bool), ("sequence", torch.long),
+                        ("category", torch.long)):
+        values = getattr(dataset, name, None)
+        out[name] = None if values is None else torch.as_tensor(values).to("cpu", dtype)[indices]
+    return out
+
+
+def _names(datamodule: Any) -> dict[str, list[str] | None]:
+    """The data module's ``class_names`` and ``category_names`` as lists of text (``None`` where it has none)."""
+    out: dict[str, list[str] | None] = {}
+    for name in ("class_names", "category_names"):
+        values = getattr(datamodule, name, None)
+        out[name] = [str(v) for v in values] if isinstance(values, (list, tuple)) and len(values) else None
+    return out
+
+
 class PredictionWriter(BasePredictionWriter):
     """Write everything ``predict`` computed into ONE file, loadable with :func:`load_predictions`.
 
@@ -60,6 +80,14 @@ class PredictionWriter(BasePredictionWriter):
     * ``paths``: ``list[str]`` of the image file of each item when the predicted dataset has ``paths`` (the file
       data modules: CUB-200, Cars196, SOP, In-Shop, image folders and lists), else ``None`` (in-memory datasets such
       as Glyphs, whose ``labels`` index ``GlyphsDataModule.class_names``, one character per class),
+    * ``query_mask``, ``gallery_mask``: bool ``[N]``, and ``sequence``, ``category``: int64 ``[N]`` (-1: none), in
+      the order of ``indices``, when the predicted dataset has them (query/gallery benchmarks such as In-Shop, and
+      the tables of :class:`~lightning_dml.data.CSVDataModule`), else ``None``;
+    * ``class_names``, ``category_names``: ``list[str]``, the name of each label id and category id, when the data
+      module has them (``class_names`` of Glyphs, image folders and tables, ``category_names`` of tables and SOP),
+      else ``None``. :meth:`~lightning_dml.retrieval.RetrievalResults.from_predictions` reads all of these, so the
+      results of a ``predict`` rank queries against the gallery, ignore the query's sequence and name classes and
+      categories as the test metrics do (files written before these keys existed lack them);
     * ``checkpoint``: the checkpoint the trainer restored the weights from for this ``predict``
       (``trainer.ckpt_path``) as ``{"path": absolute path, "sha256": hex digest}``
       (:func:`~lightning_dml.checkpoints.checkpoint_record`), or ``None`` when it restored none: the module's
@@ -110,6 +138,8 @@ class PredictionWriter(BasePredictionWriter):
         dataset = self._dataset(trainer)
         paths = getattr(dataset, "paths", None)
         result["paths"] = None if paths is None else [str(paths[i]) for i in result["indices"].tolist()]
+        result.update(_item_fields(dataset, result["indices"]))
+        result.update(_names(getattr(trainer, "datamodule", None)))
         result["checkpoint"] = checkpoint_record(trainer.ckpt_path)
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(result, path)
@@ -118,8 +148,9 @@ class PredictionWriter(BasePredictionWriter):
 
 
 def load_predictions(path: str | Path) -> dict[str, Any]:
-    """Load a :class:`PredictionWriter` file: ``{"embeddings", "labels", "indices", "paths", "checkpoint"}`` (see
-    there; ``checkpoint`` is absent from files written before it was recorded)."""
+    """Load a :class:`PredictionWriter` file: ``{"embeddings", "labels", "indices", "paths", "checkpoint",
+    "query_mask", "gallery_mask", "sequence", "category", "class_names", "category_names"}`` (see there; the keys
+    after ``paths`` are absent from files written before they were recorded)."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no predictions file at {path} (lightning-dml predict writes <log_dir>/predictions.pt)")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -14,9 +14,18 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_dml.data.image_list import collate_skipping
 from lightning_dml.data.resumable import ResumableDataLoader
-from lightning_dml.data.samplers import BalancedClassSampler, EvalShardSampler, NPairSampler
+from lightning_dml.data.samplers import (
+    BalancedClassSampler,
+    CategoryBalancedSampler,
+    EvalShardSampler,
+    LabelSetSampler,
+    NPairSampler,
+)
 from lightning_dml.models.input_spec import InputSpec, InputSpecMismatchError, backbone_input_spec
 from lightning_dml.protocol.folds import class_folds
+
+#: the training batch samplers a data module can use (``sampler=...``)
+SAMPLERS = ("balanced", "npair", "category", "label_sets")
 
 
 class DMLDataModule(pl.LightningDataModule):
@@ -45,7 +54,10 @@ class DMLDataModule(pl.LightningDataModule):
         eval_batch_size: batch size of validation, test and predict.
         num_workers: DataLoader worker processes.
         seed: seed of the training sampler (batches depend on seed, epoch and rank) and of the validation split.
-        sampler: ``"balanced"`` (P x K) or ``"npair"`` (N x 2, ``samples_per_class`` must be 2).
+        sampler: ``"balanced"`` (P x K, :class:`BalancedClassSampler`), ``"npair"`` (N x 2,
+            ``samples_per_class`` must be 2), ``"category"`` (C categories x P classes x K items,
+            :class:`CategoryBalancedSampler`; needs ``categories_per_batch`` and a training split with categories)
+            or ``"label_sets"`` (P labels x K items for label sets, :class:`LabelSetSampler`).
         hard_class_mining: with ``sampler="npair"``, the N-pair paper's hard negative class mining (needs class
             embeddings, see :class:`~lightning_dml.callbacks.ClassEmbeddingRefresh`).
         val_classes_fraction: fraction of the training classes held out as the validation split (0: validate on
@@ -59,6 +71,7 @@ class DMLDataModule(pl.LightningDataModule):
         num_folds: number of class-disjoint folds of the training classes (>= 2), or ``None`` (no folds).
         fold_seed: seed of the fold assignment (apart from ``seed``, so the sampler's seed can change while the
             folds stay the same).
+        categories_per_batch: C of ``sampler="category"`` (the batch size is then C * P * K); only with it.
     """
 
     def __init__(
@@ -75,6 +88,7 @@ class DMLDataModule(pl.LightningDataModule):
         fold: int | None = None,
         num_folds: int | None = None,
         fold_seed: int = 0,
+        categories_per_batch: int | None = None,
     ) -> None:
         super().__init__()
         if classes_per_batch < 1 or samples_per_class < 1:
@@ -83,8 +97,15 @@ class DMLDataModule(pl.LightningDataModule):
             )
         if eval_batch_size < 1 or num_workers < 0:
             raise ValueError(f"need eval_batch_size >= 1 and num_workers >= 0, got {eval_batch_size}, {num_workers}")
-        if sampler not in ("balanced", "npair"):
-            raise ValueError(f"sampler must be 'balanced' or 'npair', got {sampler!r}")
+        if sampler not in SAMPLERS:
+            raise ValueError(f"sampler must be one of {', '.join(map(repr, SAMPLERS))}, got {sampler!r}")
+        if (sampler == "category") != (categories_per_batch is not None):
+            raise ValueError(
+                "sampler='category' and categories_per_batch are set together (C categories x P classes x K items), "
+                f"got sampler={sampler!r}, categories_per_batch={categories_per_batch}"
+            )
+        if categories_per_batch is not None and categories_per_batch < 1:
+            raise ValueError(f"categories_per_batch must be >= 1, got {categories_per_batch}")
         if sampler == "npair" and samples_per_class != 2:
             raise ValueError(f"sampler='npair' draws 2 images per class: set samples_per_class=2, got {samples_per_class}")
         if hard_class_mining and sampler != "npair":
@@ -117,6 +138,7 @@ class DMLDataModule(pl.LightningDataModule):
         self.fold = fold
         self.num_folds = num_folds
         self.fold_seed = fold_seed
+        self.categories_per_batch = categories_per_batch
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
         self.test_dataset: Dataset | None = None
@@ -134,7 +156,7 @@ class DMLDataModule(pl.LightningDataModule):
 
     @property
     def batch_size(self) -> int:
-        return self.classes_per_batch * self.samples_per_class
+        return self.classes_per_batch * self.samples_per_class * (self.categories_per_batch or 1)
 
     @property
     def test_as_val(self) -> bool:
@@ -273,11 +295,44 @@ class DMLDataModule(pl.LightningDataModule):
         return {"num_workers": self.num_workers, "persistent_workers": self.num_workers > 0}
 
     def build_train_sampler(self) -> BalancedClassSampler:
-        """The training batch sampler (seeded by ``seed``; rank and world size read from ``torch.distributed``)."""
-        labels = self.train_dataset.labels
+        """The training batch sampler (seeded by ``seed``; rank and world size read from ``torch.distributed``).
+
+        A training split with label sets (``labels`` ``[N, L]``) needs ``sampler="label_sets"``; the category
+        sampler reads the training dataset's ``category`` ids (``-1``: none, not allowed)."""
+        labels = torch.as_tensor(self.train_dataset.labels)
+        name = type(self).__name__
+        if labels.ndim == 2 and self.sampler != "label_sets":
+            raise ValueError(
+                f"{name}: the training split has label sets (several labels per item), which sampler={self.sampler!r} "
+                "cannot draw: use sampler: label_sets (P labels x K items, --data.init_args.sampler label_sets)"
+            )
+        if self.sampler == "label_sets":
+            return LabelSetSampler(labels, self.classes_per_batch, self.samples_per_class, seed=self.seed)
+        if self.sampler == "category":
+            categories = getattr(self.train_dataset, "category", None)
+            if categories is None:
+                raise ValueError(
+                    f"{name}: sampler='category' needs the category of every training item, and this data module "
+                    "gives none (CSVDataModule with a category column and SOPDataModule do)"
+                )
+            categories = torch.as_tensor(categories)
+            if bool((categories < 0).any()):
+                missing = int((categories < 0).sum())
+                raise ValueError(
+                    f"{name}: sampler='category' needs the category of every training item; {missing} of "
+                    f"{categories.numel()} training items have none"
+                )
+            return CategoryBalancedSampler(
+                labels, categories, self.categories_per_batch, self.classes_per_batch, self.samples_per_class,
+                seed=self.seed,
+            )
         if self.sampler == "npair":
             return NPairSampler(labels, self.classes_per_batch, seed=self.seed, hard_class_mining=self.hard_class_mining)
         return BalancedClassSampler(labels, self.classes_per_batch, self.samples_per_class, seed=self.seed)
+
+    def train_collate_fn(self) -> Callable[[list[Any]], Any]:
+        """The collate function of the training loader: :func:`collate_skipping` (subclasses may finish the batch)."""
+        return collate_skipping
 
     def train_dataloader(self) -> DataLoader:
         self.setup("fit")
@@ -285,7 +340,7 @@ class DMLDataModule(pl.LightningDataModule):
         self.train_sampler = self.build_train_sampler()
         # Resumable: a run restarted from a mid-epoch checkpoint continues the epoch's batch sequence.
         return ResumableDataLoader(
-            self.train_dataset, batch_sampler=self.train_sampler, collate_fn=collate_skipping, **self._loader_kwargs()
+            self.train_dataset, batch_sampler=self.train_sampler, collate_fn=self.train_collate_fn(), **self._loader_kwargs()
         )
 
     def _eval_loader(self, dataset: Dataset) -> DataLoader:

@@ -13,19 +13,31 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from pytorch_lightning.utilities import rank_zero_info, rank_zero_only, rank_zero_warn
 
 from lightning_dml.data.base import DMLDataModule
+from lightning_dml.data.decoded_cache import DecodedImageListDataset, DecodedImages, cache_mode, open_decoded_cache
 from lightning_dml.data.resources import dataset_resource
 from lightning_dml.download import fetch_dataset
 from lightning_dml.errors import MissingFileError, UserInputError
-from lightning_dml.data.image_list import CorruptImageError, ImageListDataset
+from lightning_dml.data.image_list import CorruptImageError, ImageListDataset, collate_skipping
 from lightning_dml.data.verify import verify_image_files, verify_level
 from lightning_dml.models.input_spec import TORCHVISION_IMAGENET, InputSpec
-from lightning_dml.data.transforms import default_resize_size, eval_transform, train_transform
+from lightning_dml.data.transforms import (
+    DeviceImage,
+    FinishingCollate,
+    ToInputSpec,
+    default_resize_size,
+    eval_transform,
+    finish_on_device,
+    tensor_eval_transform,
+    tensor_train_transform,
+    train_transform,
+)
 
 
 class DatasetLayoutError(MissingFileError):
@@ -34,13 +46,16 @@ class DatasetLayoutError(MissingFileError):
 
 @dataclass
 class SplitFiles:
-    """One split read from a dataset's list files: image paths, labels, optional boxes and query/gallery masks."""
+    """One split read from a dataset's list files: image paths, labels (``[N]``, or label sets ``[N, L]`` padded
+    with -1), optional boxes, query/gallery masks, and sequence and category ids (-1: none)."""
 
     paths: list[Path]
     labels: np.ndarray
     boxes: np.ndarray | None = None
     query_mask: np.ndarray | None = None
     gallery_mask: np.ndarray | None = None
+    sequence: np.ndarray | None = None
+    category: np.ndarray | None = None
 
     def without(self, drop: Sequence[int]) -> "SplitFiles":
         """This split without the items at positions ``drop``."""
@@ -56,6 +71,8 @@ class SplitFiles:
             boxes=pick(self.boxes),
             query_mask=pick(self.query_mask),
             gallery_mask=pick(self.gallery_mask),
+            sequence=pick(self.sequence),
+            category=pick(self.category),
         )
 
 
@@ -142,6 +159,26 @@ class ImageFilesDataModule(DMLDataModule):
             with a progress bar on rank 0, in ``prepare_data`` (once per node) and again (from the cache) in
             ``setup``; files that pass are cached by path, size and mtime in the user cache folder
             (:mod:`lightning_dml.data.cache_dir`, ``$LIGHTNING_DML_CACHE``), so a second set-up only ``stat``s them.
+        categories_per_batch: C of ``sampler="category"`` (see :class:`DMLDataModule`; data modules with
+            categories: SOP, :class:`~lightning_dml.data.CSVDataModule`).
+        cache: ``None``/``"none"`` (default): every image is decoded from its file whenever it is read;
+            ``"decoded"``: in ``prepare_data`` (once per node, under a file lock, with a progress bar) every image of
+            every split is decoded once, its crop box applied, its shorter side resized to ``cache_size``, and the
+            uint8 pixels stored in one memory-mapped file per split in the user cache folder
+            (:mod:`lightning_dml.data.decoded_cache`); the transforms then run on uint8 tensors
+            (torchvision.transforms.v2), with no file read or decode in the loop. Rebuilt when a source file (size,
+            mtime), ``cache_size``, the mode, the interpolation, Pillow or the format version change.
+        cache_size: shorter side of the cached images (default 256, the test-time resize of 224 crops). Evaluation
+            from the cache equals the uncached evaluation bit for bit when ``cache_size == resize_size``; otherwise
+            the cached image is resized again.
+        augment_on_device: training workers only cut and resize the random crop (uint8) and draw the flip; the
+            flip, the conversion to float and the normalisation run batched on the device after the transfer
+            (:meth:`on_after_batch_transfer`), with the same per-sample random decisions (the batch's seed), so the
+            batches are bit-identical to ``augment_on_device=False`` and mid-epoch resume stays exact. Without a
+            trainer, call ``datamodule.on_after_batch_transfer(batch, 0)`` on each training batch.
+
+    :meth:`read_splits` may return more splits than ``"train"`` and ``"test"`` (a table's ``"validation"``):
+    they are checked and verified like the others, and every built dataset is in :attr:`split_datasets`.
     """
 
     dataset_name: str = "dataset"
@@ -173,10 +210,14 @@ class ImageFilesDataModule(DMLDataModule):
         num_folds: int | None = None,
         fold_seed: int = 0,
         verify_images: bool | str = False,
+        categories_per_batch: int | None = None,
+        cache: str | None = None,
+        cache_size: int = 256,
+        augment_on_device: bool = False,
     ) -> None:
         super().__init__(
             classes_per_batch, samples_per_class, eval_batch_size, num_workers, seed, sampler, hard_class_mining,
-            val_classes_fraction, input_spec, fold, num_folds, fold_seed,
+            val_classes_fraction, input_spec, fold, num_folds, fold_seed, categories_per_batch=categories_per_batch,
         )
         if on_corrupt not in ("error", "skip"):
             raise ValueError(f"on_corrupt must be 'error' or 'skip', got {on_corrupt!r}")
@@ -197,8 +238,17 @@ class ImageFilesDataModule(DMLDataModule):
         self.check_files = check_files
         self.download = download
         self.verify_images = verify_level(verify_images)
+        self.cache = cache_mode(cache)
+        if int(cache_size) != cache_size or cache_size < 8:
+            raise ValueError(f"cache_size must be an integer of at least 8 pixels, got {cache_size!r}")
+        self.cache_size = int(cache_size)
+        self.augment_on_device = bool(augment_on_device)
+        self._device_converter: ToInputSpec | None = None
+        self._logged_caches: set[Path] = set()
         self.top: Path | None = None
         self.count_warnings: list[str] = []
+        #: the datasets of every split :meth:`read_splits` gave (``"train"``, ``"test"``, ...), set by set-up
+        self.split_datasets: dict[str, ImageListDataset] = {}
 
     # ------------------------------------------------------------------ transforms
     @property
@@ -224,11 +274,47 @@ class ImageFilesDataModule(DMLDataModule):
 
     @property
     def train_transform(self):
-        return train_transform(self.spec, self.image_size, self.crop_scale)
+        """The training transform: on PIL images, or on the cache's uint8 tensors with ``cache="decoded"``; with
+        ``augment_on_device`` it returns :class:`~lightning_dml.data.transforms.DeviceImage` items."""
+        if self.cache == "decoded":
+            deferred = self.augment_on_device or self._finish_in_collate
+            return tensor_train_transform(self.spec, self.image_size, self.crop_scale, deferred)
+        return train_transform(self.spec, self.image_size, self.crop_scale, self.augment_on_device)
+
+    @property
+    def _finish_in_collate(self) -> bool:
+        """Whether the cached training path flips and converts each batch in the collate function, image by image
+        into the batch's one output tensor, rather than in the transform (the same values): with ``num_workers=0``
+        this saves a copy of every batch (about 30% more images/s, ``bench/data.py``); a worker's batch is
+        collated into shared memory by ``default_collate``, which the per-image path keeps."""
+        return self.cache == "decoded" and not self.augment_on_device and self.num_workers == 0
+
+    def train_collate_fn(self):
+        """:func:`collate_skipping`, finishing the batch's flip and conversion there on the cached path (see
+        :attr:`_finish_in_collate`)."""
+        if self._finish_in_collate:
+            return FinishingCollate(collate_skipping, self.spec)
+        return collate_skipping
 
     @property
     def eval_transform(self):
+        if self.cache == "decoded":
+            return tensor_eval_transform(self.spec, self.image_size, self.resize_size, self.cache_size)
         return eval_transform(self.spec, self.image_size, self.resize_size)
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """With ``augment_on_device``: flip the chosen images of a training batch and convert it to the input spec,
+        batched, on the device the batch was moved to (Lightning calls this hook after the transfer). Any other
+        batch is returned as it is.
+
+        Lightning calls the data module's hook instead of the LightningModule's when both define it (with a
+        warning): a module that needs its own ``on_after_batch_transfer`` should call this one on the batch.
+        """
+        if isinstance(batch, (list, tuple)) and batch and isinstance(batch[0], DeviceImage):
+            if self._device_converter is None or self._device_converter.spec != self.spec:
+                self._device_converter = ToInputSpec(self.spec)
+            return [finish_on_device(batch[0], self._device_converter), *batch[1:]]
+        return batch
 
     # ------------------------------------------------------------------ download
     def is_present(self) -> bool:
@@ -243,19 +329,31 @@ class ImageFilesDataModule(DMLDataModule):
         """With ``download=True``: fetch, verify and unpack the dataset into ``root`` unless it is there. With
         ``verify_images``: check the image files and cache the result (the failures are reported by ``setup``).
 
+        With ``cache="decoded"``: build the decoded-image cache of every split unless it is there and current.
+
         Lightning calls this on one process per node; the file lock in ``root`` makes nodes sharing a file system
-        download once. The other processes wait at Lightning's barrier before ``setup``, where they find the
-        verification cached.
+        download once (and the cache's file lock builds it once). The other processes wait at Lightning's barrier
+        before ``setup``, where they find the verification and the decoded images cached.
         """
         if self.download:
             self._download()
-        if self.verify_images is not None and self.is_present():
+        if (self.verify_images is not None or self.cache is not None) and self.is_present():
             top = self.find_top()
             try:
                 splits = self.read_splits(top)
             except (UserInputError, ValueError):
                 return  # a layout error: setup raises it on every process
-            self._verify_files(splits, top, report=False)
+            if self.verify_images is not None:
+                self._verify_files(splits, top, report=False)
+            if self.cache == "decoded":
+                try:
+                    if self.check_files:
+                        check_images_exist([p for s in splits.values() for p in s.paths], self.dataset_name, self.layout)
+                    if self.trainer is not None and self.trainer.lightning_module is not None:
+                        self.adopt_input_spec(self.trainer.lightning_module)  # the cache's mode and interpolation
+                except (UserInputError, ValueError):
+                    return  # setup raises it on every process
+                self._open_caches(splits, top)
 
     def _download(self) -> None:
         if self.resource_name is None:
@@ -298,7 +396,7 @@ class ImageFilesDataModule(DMLDataModule):
     def _verify_files(self, splits: dict[str, SplitFiles], top: Path, report: bool = True) -> dict[str, SplitFiles]:
         """Run ``verify_images`` over both splits. With ``report``: files that failed raise one
         :class:`CorruptImageError` (``on_corrupt="error"``) or are dropped with one warning (``"skip"``)."""
-        names = ("train", "test")
+        names = tuple(splits)
         paths = [path for name in names for path in splits[name].paths]
         trainer = getattr(self, "trainer", None)
         rank = trainer.global_rank if trainer is not None else getattr(rank_zero_only, "rank", 0)
@@ -338,6 +436,45 @@ class ImageFilesDataModule(DMLDataModule):
                 )
         return out
 
+    def _open_caches(self, splits: dict[str, SplitFiles], top: Path) -> dict[str, DecodedImages]:
+        """The decoded images of every split (built first where missing or stale; see
+        :func:`~lightning_dml.data.decoded_cache.open_decoded_cache`)."""
+        trainer = getattr(self, "trainer", None)
+        rank = trainer.global_rank if trainer is not None else getattr(rank_zero_only, "rank", 0)
+        views = {}
+        for name, split in splits.items():
+            lines: list[str] = []
+            views[name], info = open_decoded_cache(
+                split.paths, top, name, self.cache_size, self.mode, self.spec.interpolation, split.boxes,
+                progress=rank == 0, description=f"decoded-image cache ({self.dataset_name} {name})", log=lines.append,
+            )
+            if info.built or info.index_file not in self._logged_caches:
+                self._logged_caches.add(info.index_file)
+                rank_zero_info(lines[0])
+        return views
+
+    def _cached_datasets(self, read: dict[str, SplitFiles], kept: dict[str, SplitFiles]) -> None:
+        """Make every dataset of :attr:`split_datasets` read its images from the decoded-image cache of its split
+        (``read``: the splits as listed, which name the caches; ``kept``: after ``verify_images`` dropped files)."""
+        if self.cache_size != self.resize_size:
+            rank_zero_warn(
+                f"{type(self).__name__}: cache_size={self.cache_size} differs from resize_size={self.resize_size}: "
+                "evaluation resizes the cached images a second time (set cache_size to resize_size for the uncached "
+                "evaluation's pixels)"
+            )
+        views = self._open_caches(read, self.top)
+        for name, dataset in self.split_datasets.items():
+            view = views[name]
+            if kept[name] is not read[name]:  # some files dropped: match the rest by path and box
+
+                def keys(split: SplitFiles) -> list[tuple]:  # a box's bytes: NaN (no box) equals itself
+                    boxes = [None] * len(split.paths) if split.boxes is None else np.asarray(split.boxes, np.float64)
+                    return [(str(p), None if b is None else b.tobytes()) for p, b in zip(split.paths, boxes)]
+
+                position = {key: i for i, key in enumerate(keys(read[name]))}
+                view = view.subset([position[key] for key in keys(kept[name])])
+            self.split_datasets[name] = DecodedImageListDataset.wrap(dataset, view)
+
     def build_datasets(self) -> tuple[ImageListDataset, ImageListDataset]:
         try:
             top = self.find_top()
@@ -349,28 +486,34 @@ class ImageFilesDataModule(DMLDataModule):
                 f"{error}\nOr set download: true (--data.init_args.download true) to download it from {resource.page}."
             ) from None
         self.top = top
-        splits = self.read_splits(top)
-        for name in ("train", "test"):
+        splits = read = self.read_splits(top)
+        for name in splits:
             if len(splits[name].paths) == 0:
                 raise DatasetLayoutError(f"{self.dataset_name} at {top}: the {name} split is empty. Expected layout:\n{self.layout}")
         if self.check_files:
-            check_images_exist(splits["train"].paths + splits["test"].paths, self.dataset_name, self.layout)
+            check_images_exist([p for files in splits.values() for p in files.paths], self.dataset_name, self.layout)
         if self.verify_images is not None:
             splits = self._verify_files(splits, top)
         if self.check_counts:
             self._check_counts(splits, top)
-        train, test = splits["train"], splits["test"]
-        train_ds = ImageListDataset(
-            train.paths, train.labels, self.train_transform, train.boxes, self.mode,
-            f"{self.dataset_name} train", self.on_corrupt, evaluation=False,
+        self.split_datasets = {name: self.split_dataset(files, name) for name, files in splits.items()}
+        if self.cache == "decoded":
+            self._cached_datasets(read, splits)
+        return self.split_datasets["train"], self.split_datasets["test"]
+
+    def split_dataset(self, files: SplitFiles, name: str) -> ImageListDataset:
+        """The dataset of split ``name``: training transforms for ``"train"``, evaluation for every other split."""
+        evaluation = name != "train"
+
+        def mask(values: np.ndarray | None) -> torch.Tensor | None:
+            return None if values is None else torch.from_numpy(np.asarray(values, dtype=bool))
+
+        return ImageListDataset(
+            files.paths, files.labels, self.eval_transform if evaluation else self.train_transform, files.boxes,
+            self.mode, f"{self.dataset_name} {name}", self.on_corrupt, evaluation=evaluation,
+            query_mask=mask(files.query_mask), gallery_mask=mask(files.gallery_mask), sequence=files.sequence,
+            category=files.category,
         )
-        test_ds = ImageListDataset(
-            test.paths, test.labels, self.eval_transform, test.boxes, self.mode, f"{self.dataset_name} test",
-            self.on_corrupt, evaluation=True,
-            query_mask=None if test.query_mask is None else torch.from_numpy(np.asarray(test.query_mask, dtype=bool)),
-            gallery_mask=None if test.gallery_mask is None else torch.from_numpy(np.asarray(test.gallery_mask, dtype=bool)),
-        )
-        return train_ds, test_ds
 
 
 def read_whitespace_table(path: Path, columns: int, dataset: str, skip: int = 0) -> list[list[str]]:

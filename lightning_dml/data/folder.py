@@ -2,12 +2,14 @@
 
 The same samplers, transforms and evaluation as the benchmarks. For zero-shot retrieval the train and test
 classes should be disjoint (a warning says when they are not). A CSV may instead split the evaluation set into
-``query`` and ``gallery`` rows (In-Shop style: queries are ranked against the gallery).
+``query`` and ``gallery`` rows (In-Shop style: queries are ranked against the gallery). The CSV is read and
+checked by the table reader :class:`~lightning_dml.data.CSVDataModule` uses (:mod:`lightning_dml.data.table`):
+the same errors naming rows and columns; for categories, sequences, boxes, label sets and validation rows use
+:class:`~lightning_dml.data.CSVDataModule`.
 """
 
 from __future__ import annotations
 
-import csv
 import os
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,10 @@ import numpy as np
 from pytorch_lightning.utilities import rank_zero_warn
 
 from lightning_dml.data.files import DatasetLayoutError, ImageFilesDataModule, SplitFiles
+from lightning_dml.data.table import TableError, parse_image_table, read_raw_table
+
+#: the splits of the CSV branch (``query``/``gallery``: the evaluation rows of an In-Shop style split)
+CSV_SPLITS = ("train", "test", "query", "gallery")
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
@@ -106,28 +112,22 @@ class ImageFolderDataModule(ImageFilesDataModule):
         return out
 
     def _read_csv(self, path: Path) -> dict[str, list[tuple[Path, str]]]:
-        out: dict[str, list[tuple[Path, str]]] = {"train": [], "test": [], "query": [], "gallery": []}
-        with open(path, newline="", encoding="utf-8") as handle:
-            for number, row in enumerate(csv.reader(handle), start=1):
-                if not row or all(not field.strip() for field in row):
-                    continue
-                if number == 1 and [f.strip().lower() for f in row] == ["path", "label", "split"]:
-                    continue
-                if len(row) != 3:
-                    raise ValueError(f"{self.dataset_name}: {path} line {number}: expected path,label,split, got {row}")
-                file, label, split = (f.strip() for f in row)
-                split = split.lower()
-                if split not in out:
-                    raise ValueError(
-                        f"{self.dataset_name}: {path} line {number}: split must be train, test, query or gallery, "
-                        f"got {split!r}"
-                    )
-                image = Path(file).expanduser()
-                out[split].append((image if image.is_absolute() else path.parent / image, label))
+        """The CSV's rows per split as ``(image path, class name)``, read by the shared table reader: a header
+        ``path,label,split`` (any order, other columns ignored) or none (then the three fields in that order)."""
+        table = parse_image_table(
+            read_raw_table(path, headerless=("path", "label", "split")), CSV_SPLITS,
+            columns=("path", "label", "split"), check_files=self.check_files, check_boxes=False,
+        )
+        out: dict[str, list[tuple[Path, str]]] = {name: [] for name in CSV_SPLITS}
+        for i, (image, split) in enumerate(zip(table.paths, table.split)):
+            (label,) = table.label_sets[i] or ("",)
+            if not label:
+                raise TableError(f"image table {path}: {table.raw.where(i)}, column 'label': empty label")
+            out[split].append((image, label))
         if out["test"] and (out["query"] or out["gallery"]):
-            raise ValueError(f"{self.dataset_name}: {path} mixes 'test' rows with 'query'/'gallery' rows; use one or the other")
+            raise TableError(f"image table {path} mixes 'test' rows with 'query'/'gallery' rows; use one or the other")
         if bool(out["query"]) != bool(out["gallery"]):
-            raise ValueError(f"{self.dataset_name}: {path} has 'query' rows without 'gallery' rows or the reverse")
+            raise TableError(f"image table {path} has 'query' rows without 'gallery' rows or the reverse")
         return out
 
     def read_splits(self, top: Path) -> dict[str, SplitFiles]:

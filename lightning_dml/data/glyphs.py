@@ -130,6 +130,32 @@ def _distinct_characters(renders: dict[tuple[str, str], np.ndarray], threshold: 
     return [char for char, _ in kept]
 
 
+def homoglyph_groups(threshold: float = 0.97) -> list[tuple[str, ...]]:
+    """The groups of look-alike characters (homoglyphs: Latin ``A``, Greek ``Α``, Cyrillic ``А``): the connected
+    components of "the DejaVu Sans renderings correlate above ``threshold``", the rule by which
+    :func:`render_glyphs` keeps only the first character of each group as a class. Groups of two or more, each in
+    :data:`CHARACTERS` order."""
+    renders = _clean_renderings()
+    reference = "DejaVuSans.ttf"
+    chars = [char for char in CHARACTERS if (reference, char) in renders]
+    x = np.stack([renders[(reference, char)].astype(np.float64).ravel() for char in chars])
+    x = (x - x.mean(axis=1, keepdims=True)) / (x.std(axis=1, keepdims=True) + 1e-12)
+    alike = (x @ x.T) / x.shape[1] > threshold
+    parent = list(range(len(chars)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            i = parent[i]
+        return i
+
+    for i, j in zip(*np.nonzero(np.triu(alike, k=1))):
+        parent[root(int(j))] = root(int(i))
+    groups: dict[int, list[str]] = {}
+    for i, char in enumerate(chars):
+        groups.setdefault(root(i), []).append(char)
+    return [tuple(group) for group in groups.values() if len(group) > 1]
+
+
 def _distort(image: np.ndarray, rng: np.random.Generator, size: int) -> np.ndarray:
     """Mild random affine, stroke-width and noise variation of one clean rendering."""
     pil = Image.fromarray(image)

@@ -2,7 +2,10 @@
 
 Items are ``(image, label, index)``, ``index`` being the item's position in its split. A test split of a
 query/gallery benchmark (In-Shop) additionally yields ``(is_query, is_gallery)`` and exposes ``query_mask`` /
-``gallery_mask`` tensors, so evaluation ranks queries against the gallery.
+``gallery_mask`` tensors, so evaluation ranks queries against the gallery. An evaluation split with ``sequence``
+or ``category`` ids (tables of :class:`~lightning_dml.data.CSVDataModule`) yields
+``(image, label, index, is_query, is_gallery, sequence, category)`` (-1: none). ``labels`` may be label sets
+``[N, L]`` padded with -1: an item's label is then its row, a tensor ``[L]`` (batches collate to ``[B, L]``).
 
 Images are read by :func:`load_image`, which brings every PIL mode to 8 bits per channel first (16-bit, 32-bit
 integer and float images are scaled by the documented rule of :func:`to_8bit`, never clipped) and then converts
@@ -19,6 +22,7 @@ of the same class (the P x K batch keeps its shape), in an evaluation split by n
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -108,6 +112,62 @@ def to_8bit(image: Image.Image) -> Image.Image:
     return Image.fromarray((values >> 8).astype(np.uint8), "L")
 
 
+#: Environment variable choosing the JPEG decoder of :func:`load_image`: ``simplejpeg`` or ``pil`` (default: simplejpeg
+#: where it is installed, ``pip install lightning-dml[jpeg]``, else PIL).
+JPEG_DECODER_ENV = "LIGHTNING_DML_JPEG_DECODER"
+
+_simplejpeg: Any = None
+
+
+def jpeg_decoder() -> str:
+    """The JPEG decoder :func:`load_image` uses: ``"simplejpeg"`` when the package is installed, unless
+    ``LIGHTNING_DML_JPEG_DECODER=pil``; else ``"pil"``. ``LIGHTNING_DML_JPEG_DECODER=simplejpeg`` without the package
+    is an ``ImportError`` saying how to install it."""
+    global _simplejpeg
+    choice = os.environ.get(JPEG_DECODER_ENV, "").strip().lower()
+    if choice not in ("", "simplejpeg", "pil"):
+        raise ValueError(f"{JPEG_DECODER_ENV} must be 'simplejpeg' or 'pil', got {choice!r}")
+    if choice == "pil":
+        return "pil"
+    if _simplejpeg is None:
+        try:
+            import simplejpeg
+        except ImportError as error:
+            if choice == "simplejpeg":
+                raise ImportError(
+                    f"{JPEG_DECODER_ENV}=simplejpeg but simplejpeg is not installed: pip install 'lightning-dml[jpeg]'"
+                ) from error
+            _simplejpeg = False
+        else:
+            _simplejpeg = simplejpeg
+    return "simplejpeg" if _simplejpeg else "pil"
+
+
+def _decode_jpeg(path: Path, mode: str) -> Image.Image | None:
+    """``path`` decoded by simplejpeg (libjpeg-turbo, 5-17% less CPU per decode than PIL here) when it is an 8-bit
+    YCbCr or greyscale JPEG, converted to ``mode`` exactly as PIL converts; ``None`` for anything else (another
+    format, CMYK/YCCK, 12-bit, a damaged file), which PIL then reads, so a damaged file fails with PIL's message.
+
+    The pixels are PIL's: both use libjpeg-turbo's default decoding (accurate integer IDCT, fancy upsampling),
+    which is exact, and the colour to grey conversion is PIL's own (tests/test_decoded_cache.py compares them)."""
+    with open(path, "rb") as handle:
+        data = handle.read()
+    if data[:3] != b"\xff\xd8\xff":
+        return None
+    try:
+        colorspace = _simplejpeg.decode_jpeg_header(data)[2]
+        if colorspace == "Gray":
+            pixels = _simplejpeg.decode_jpeg(data, colorspace="GRAY")
+            image = Image.fromarray(pixels.reshape(pixels.shape[:2]), "L")
+        elif colorspace == "YCbCr":
+            image = Image.fromarray(_simplejpeg.decode_jpeg(data, colorspace="RGB"), "RGB")
+        else:
+            return None
+    except (ValueError, RuntimeError, OSError):  # damaged or unsupported: PIL reads it (and names the problem)
+        return None
+    return image if image.mode == mode else image.convert(mode)
+
+
 def load_image(path: Path, mode: str = "RGB", box: Sequence[float] | None = None) -> Image.Image:
     """Open ``path`` fully decoded in ``mode`` (``"RGB"`` or ``"L"``), cropped to ``box`` = (left, top, right,
     bottom) in PIL pixel coordinates (clipped to the image) when given.
@@ -119,13 +179,18 @@ def load_image(path: Path, mode: str = "RGB", box: Sequence[float] | None = None
     uses PIL's conversion ``(255 - c) * (255 - k) / 255``; ``"L"`` from colour is PIL's ITU-R 601-2 luma
     ``(19595 R + 38470 G + 7471 B + 2^15) >> 16``. A palette image with per-entry transparency goes through
     ``RGBA`` (the same pixels, without PIL's warning about it for every such image).
+
+    8-bit YCbCr and greyscale JPEGs are decoded by simplejpeg where it is installed (:func:`jpeg_decoder`), to the
+    same pixels; everything else by PIL.
     """
-    with Image.open(path) as handle:
-        handle.load()  # a full decode: truncated files fail here, not later
-        image = to_8bit(handle)
-        if image.mode in ("P", "PA") and "transparency" in image.info:
-            image = image.convert("RGBA")
-        image = image.convert(mode)  # a copy even in the same mode: nothing refers to the closed file
+    image = _decode_jpeg(path, mode) if jpeg_decoder() == "simplejpeg" else None
+    if image is None:
+        with Image.open(path) as handle:
+            handle.load()  # a full decode: truncated files fail here, not later
+            image = to_8bit(handle)
+            if image.mode in ("P", "PA") and "transparency" in image.info:
+                image = image.convert("RGBA")
+            image = image.convert(mode)  # a copy even in the same mode: nothing refers to the closed file
     if box is not None:
         left, top, right, bottom = (float(v) for v in box)
         left, top = max(0.0, left), max(0.0, top)
@@ -141,7 +206,8 @@ class ImageListDataset(Dataset):
 
     Args:
         paths: image files, in split order (position = ``index``).
-        labels: class label of each image (any integers; they are kept as given).
+        labels: class label of each image (any integers; they are kept as given), or label sets ``[N, L]``
+            padded with -1.
         transform: callable applied to the PIL image (see :mod:`lightning_dml.data.transforms`).
         boxes: optional ``[N, 4]`` crop boxes (left, top, right, bottom) in PIL coordinates.
         mode: ``"RGB"`` or ``"L"`` (grey).
@@ -150,6 +216,9 @@ class ImageListDataset(Dataset):
         evaluation: an evaluation split (skipped items are dropped rather than replaced).
         query_mask, gallery_mask: optional boolean masks (query/gallery benchmarks); when given, items are
             ``(image, label, index, is_query, is_gallery)``.
+        sequence, category: optional int ids per item (-1: none). An evaluation split with either yields
+            ``(image, label, index, is_query, is_gallery, sequence, category)`` (masks default to true); a training
+            split keeps ``(image, label, index)`` and exposes them (``category`` feeds the category sampler).
     """
 
     def __init__(
@@ -164,10 +233,12 @@ class ImageListDataset(Dataset):
         evaluation: bool = False,
         query_mask: torch.Tensor | None = None,
         gallery_mask: torch.Tensor | None = None,
+        sequence: np.ndarray | torch.Tensor | None = None,
+        category: np.ndarray | torch.Tensor | None = None,
     ) -> None:
         self.paths = [Path(p) for p in paths]
         self.labels = torch.as_tensor(np.asarray(labels), dtype=torch.long)
-        if self.labels.shape != (len(self.paths),):
+        if self.labels.ndim not in (1, 2) or self.labels.shape[0] != len(self.paths):
             raise ValueError(f"{split}: {len(self.paths)} paths but labels of shape {tuple(self.labels.shape)}")
         if boxes is not None:
             boxes = np.asarray(boxes, dtype=np.float64)
@@ -187,7 +258,10 @@ class ImageListDataset(Dataset):
         self.evaluation = evaluation
         self.query_mask = None if query_mask is None else torch.as_tensor(query_mask, dtype=torch.bool)
         self.gallery_mask = None if gallery_mask is None else torch.as_tensor(gallery_mask, dtype=torch.bool)
-        for name, mask in (("query_mask", self.query_mask), ("gallery_mask", self.gallery_mask)):
+        self.sequence = None if sequence is None else torch.as_tensor(np.asarray(sequence), dtype=torch.long)
+        self.category = None if category is None else torch.as_tensor(np.asarray(category), dtype=torch.long)
+        for name, mask in (("query_mask", self.query_mask), ("gallery_mask", self.gallery_mask),
+                           ("sequence", self.sequence), ("category", self.category)):
             if mask is not None and mask.shape != (len(self.paths),):
                 raise ValueError(f"{split}: {name} must have shape ({len(self.paths)},), got {tuple(mask.shape)}")
         self._warned: set[int] = set()
@@ -221,17 +295,24 @@ class ImageListDataset(Dataset):
                     warnings.warn(f"skipping {self._describe(target, error)}", RuntimeWarning, stacklevel=2)
                 if self.evaluation:
                     return SKIPPED
-                candidates = (self.labels == self.labels[index]).nonzero().squeeze(1).tolist()
+                same = self.labels == self.labels[index]
+                candidates = (same.all(1) if same.ndim == 2 else same).nonzero().squeeze(1).tolist()
                 remaining = [c for c in candidates if c not in tried]
                 if not remaining:
                     raise CorruptImageError(
-                        f"every image of class {int(self.labels[index])} in {self.split} is unreadable "
+                        f"every image of class {self.labels[index].tolist()} in {self.split} is unreadable "
                         f"(first: {self.paths[index]})"
                     ) from error
                 target = remaining[0]
                 tried.append(target)
         # A replaced training item reports the replacement's index, so it is never mistaken for the corrupt one.
-        label = int(self.labels[target])
+        label = int(self.labels[target]) if self.labels.ndim == 1 else self.labels[target]
+        if self.evaluation and (self.sequence is not None or self.category is not None):
+            is_query = True if self.query_mask is None else bool(self.query_mask[target])
+            is_gallery = True if self.gallery_mask is None else bool(self.gallery_mask[target])
+            sequence = -1 if self.sequence is None else int(self.sequence[target])
+            category = -1 if self.category is None else int(self.category[target])
+            return image, label, target, is_query, is_gallery, sequence, category
         if self.query_mask is not None:
             return image, label, target, bool(self.query_mask[target]), bool(self.gallery_mask[target])
         return image, label, target
@@ -250,7 +331,18 @@ class ImageListDataset(Dataset):
             evaluation,
             None if self.query_mask is None else self.query_mask[torch.from_numpy(idx)],
             None if self.gallery_mask is None else self.gallery_mask[torch.from_numpy(idx)],
+            None if self.sequence is None else self.sequence[torch.from_numpy(idx)],
+            None if self.category is None else self.category[torch.from_numpy(idx)],
         )
 
 
-__all__ = ["CorruptImageError", "ImageListDataset", "ON_CORRUPT_HINT", "collate_skipping", "load_image", "to_8bit"]
+__all__ = [
+    "CorruptImageError",
+    "ImageListDataset",
+    "JPEG_DECODER_ENV",
+    "ON_CORRUPT_HINT",
+    "collate_skipping",
+    "jpeg_decoder",
+    "load_image",
+    "to_8bit",
+]
