@@ -3,6 +3,11 @@
 Each function takes raw embeddings ``z [B, D]`` and integer labels ``y [B]`` (lists are fine) and returns a 0-dim
 float64 tensor that is differentiable w.r.t. ``z``. No vectorisation, no shared code with the library: every sum
 of the equations is a Python loop. Optional ``ref`` / ``ref_labels`` append gallery items (anchors = batch only).
+
+Pairs: by default ``(i, j)`` is positive when ``y_i == y_j``. The optional ``same`` (an ``N x N`` nested list or
+bool tensor over the gallery: the batch, then the references) replaces label equality: ``same[i][j]`` says whether
+``i`` and ``j`` are a positive pair (label sets: whether the sets intersect). Either way an item is never its own
+positive nor its own negative (by index), and every other pair is positive or negative.
 """
 
 from __future__ import annotations
@@ -19,12 +24,17 @@ def _unit(z: Tensor) -> List[Tensor]:
     return [z[i] / z[i].norm().clamp(min=1e-12) for i in range(z.shape[0])]
 
 
+def _label_list(y) -> list:
+    """Labels as ints; label set rows (``[N, L]``) as tuples, usable only together with ``same``."""
+    return [tuple(int(x) for x in v) if torch.as_tensor(v).ndim else int(v) for v in y]
+
+
 def _gallery(z, y, ref, ref_labels, normalize=True):
     f = _unit(z) if normalize else [z.double()[i] for i in range(z.shape[0])]
-    labels = [int(v) for v in y]
+    labels = _label_list(y)
     if ref is not None:
         f = f + (_unit(ref) if normalize else [ref.double()[i] for i in range(ref.shape[0])])
-        labels = labels + [int(v) for v in ref_labels]
+        labels = labels + _label_list(ref_labels)
     return f, labels
 
 
@@ -53,14 +63,13 @@ def _log_sum_exp(terms: Sequence[Tensor]) -> Tensor:
 
 
 def multi_similarity(z, y, alpha=2.0, beta=50.0, lam=0.5, eps=0.1, mining=True, weighting=True, plus_one=True,
-                     on_empty="keep", ref=None, ref_labels=None) -> Tensor:
+                     on_empty="keep", ref=None, ref_labels=None, same=None) -> Tensor:
     """MS paper Eq. 15 with the mining of Eqs. 11-12 (ablations per SPEC 3.4, GPW 'without +1')."""
     f, labels = _gallery(z, y, ref, ref_labels)
     B, N = z.shape[0], len(f)
     total = torch.zeros((), dtype=torch.float64)
     for i in range(B):
-        P = [j for j in range(N) if j != i and labels[j] == labels[i]]
-        Ng = [j for j in range(N) if labels[j] != labels[i]]
+        P, Ng = _sets(labels, i, N, same)
         S = {j: _cos(f[i], f[j]) for j in range(N)}
         Sd = {j: float(S[j].detach()) for j in range(N)}
         if mining:
@@ -92,7 +101,14 @@ def multi_similarity(z, y, alpha=2.0, beta=50.0, lam=0.5, eps=0.1, mining=True, 
     return total / B
 
 
-def _sets(labels, i, N):
+def _sets(labels, i, N, same=None):
+    """Positives and negatives of anchor ``i``: by label equality, or by the pair matrix ``same`` (module docstring)."""
+    if same is not None:
+        P = [j for j in range(N) if j != i and bool(same[i][j])]
+        Ng = [j for j in range(N) if j != i and not bool(same[i][j])]
+        return P, Ng
+    if isinstance(labels[i], tuple):
+        raise ValueError("label sets need the pair matrix same=...")
     P = [j for j in range(N) if j != i and labels[j] == labels[i]]
     Ng = [j for j in range(N) if labels[j] != labels[i]]
     return P, Ng
@@ -103,13 +119,13 @@ def _relu(x: Tensor) -> Tensor:
 
 
 def contrastive(z, y, pos_margin=0.0, neg_margin=0.8, squared=False, squared_hinge=False, reduction="mean_nonzero",
-                ref=None, ref_labels=None) -> Tensor:
+                ref=None, ref_labels=None, same=None) -> Tensor:
     """GPW Eq. 11 (Eq. 36 with squared distances, Eq. 35 with squared hinges)."""
     f, labels = _gallery(z, y, ref, ref_labels)
     B, N = z.shape[0], len(f)
     pos_terms, neg_terms = [], []
     for i in range(B):
-        P, Ng = _sets(labels, i, N)
+        P, Ng = _sets(labels, i, N, same)
         for j in P:
             d = 2.0 - 2.0 * _cos(f[i], f[j]) if squared else _dist(f[i], f[j])
             d = _relu(d) if squared else d
@@ -134,7 +150,8 @@ def _reduce(terms, reduction):
     return total / max(nonzero, 1)
 
 
-def triplet(z, y, margin=0.1, mining="all", squared=False, reduction="mean_nonzero", ref=None, ref_labels=None):
+def triplet(z, y, margin=0.1, mining="all", squared=False, reduction="mean_nonzero", ref=None, ref_labels=None,
+            same=None):
     """GPW Eq. 12 / Eq. 37 over all triplets, or the batch-hard triplet per anchor (Eq. 20)."""
     f, labels = _gallery(z, y, ref, ref_labels)
     B, N = z.shape[0], len(f)
@@ -144,7 +161,7 @@ def triplet(z, y, margin=0.1, mining="all", squared=False, reduction="mean_nonze
 
     terms = []
     for i in range(B):
-        P, Ng = _sets(labels, i, N)
+        P, Ng = _sets(labels, i, N, same)
         if mining == "batch_hard":
             if not P or not Ng:
                 continue
@@ -158,7 +175,8 @@ def triplet(z, y, margin=0.1, mining="all", squared=False, reduction="mean_nonze
     return _reduce(terms, reduction)
 
 
-def lifted_structure(z, y, margin=1.0, variant="original", alpha=2.0, beta=50.0, ref=None, ref_labels=None):
+def lifted_structure(z, y, margin=1.0, variant="original", alpha=2.0, beta=50.0, ref=None, ref_labels=None,
+                     same=None):
     """Original lifted structure (Song et al.), GPW Eq. 14, generalised (MS Eq. 6, distance form), MS Eq. 16."""
     f, labels = _gallery(z, y, ref, ref_labels)
     B, N = z.shape[0], len(f)
@@ -166,7 +184,7 @@ def lifted_structure(z, y, margin=1.0, variant="original", alpha=2.0, beta=50.0,
     if variant == "star":
         total = zero
         for i in range(B):
-            P, Ng = _sets(labels, i, N)
+            P, Ng = _sets(labels, i, N, same)
             if P:
                 total = total + _log_sum_exp([-alpha * _cos(f[i], f[k]) for k in P]) / alpha
             if Ng:
@@ -175,17 +193,17 @@ def lifted_structure(z, y, margin=1.0, variant="original", alpha=2.0, beta=50.0,
     if variant == "generalized":
         total = zero
         for i in range(B):
-            P, Ng = _sets(labels, i, N)
+            P, Ng = _sets(labels, i, N, same)
             if P and Ng:
                 total = total + _relu(_log_sum_exp([_dist(f[i], f[j]) for j in P])
                                       + _log_sum_exp([margin - _dist(f[i], f[k]) for k in Ng]))
         return total / B
     terms = []
     for i in range(B):
-        P, _ = _sets(labels, i, N)
+        P, _ = _sets(labels, i, N, same)
         for j in P:
-            Ni = [k for k in range(N) if labels[k] != labels[i]]
-            Nj = [k for k in range(N) if labels[k] != labels[j]]
+            Ni = _sets(labels, i, N, same)[1]
+            Nj = _sets(labels, j, N, same)[1]
             if variant == "original":
                 exps = [margin - _dist(f[i], f[k]) for k in Ni] + [margin - _dist(f[j], f[l]) for l in Nj]
                 if not exps:
@@ -204,13 +222,13 @@ def lifted_structure(z, y, margin=1.0, variant="original", alpha=2.0, beta=50.0,
     return sum(terms) / (2 * len(terms)) if variant == "original" else sum(terms) / len(terms)
 
 
-def binomial_deviance(z, y, alpha=2.0, beta=50.0, lam=0.5, ref=None, ref_labels=None):
+def binomial_deviance(z, y, alpha=2.0, beta=50.0, lam=0.5, ref=None, ref_labels=None, same=None):
     """MS Eq. 9, averaged over the B anchors."""
     f, labels = _gallery(z, y, ref, ref_labels)
     B, N = z.shape[0], len(f)
     total = torch.zeros((), dtype=torch.float64)
     for i in range(B):
-        P, Ng = _sets(labels, i, N)
+        P, Ng = _sets(labels, i, N, same)
         if P:
             total = total + sum(torch.log1p(torch.exp(alpha * (lam - _cos(f[i], f[j])))) for j in P) / len(P)
         if Ng:

@@ -4,6 +4,11 @@ Each function takes raw embeddings ``z [N, D]`` and integer labels ``y [N]``; th
 default) are the anchors / queries and all ``N`` rows are the gallery (an anchor never pairs with itself, by
 index). They return a 0-dim float64 tensor differentiable w.r.t. ``z``. Every sum of the equations is a Python
 loop over items; nothing is shared with the library.
+
+Pairs: by default ``(i, j)`` is positive when ``y_i == y_j``. The optional ``same`` (an ``N x N`` nested list or
+bool tensor over all ``N`` rows) replaces label equality: ``same[i][j]`` says whether ``i`` and ``j`` are a positive
+pair (label sets: whether the sets intersect; ``y`` is then unused). Either way an item is never its own positive
+nor its own negative (by index), and every other pair is positive or negative.
 """
 
 from __future__ import annotations
@@ -25,17 +30,20 @@ def _lse(values: list[Tensor]) -> Tensor:
     return top + torch.log(sum(torch.exp(v - top) for v in values))
 
 
-def _sets(y: Tensor, i: int) -> tuple[list[int], list[int]]:
+def _sets(y: Tensor, i: int, same=None) -> tuple[list[int], list[int]]:
+    if same is not None:
+        others = [j for j in range(len(same)) if j != i]
+        return [j for j in others if bool(same[i][j])], [j for j in others if not bool(same[i][j])]
     labels = [int(v) for v in y]
     pos = [j for j in range(len(labels)) if j != i and labels[j] == labels[i]]
     neg = [j for j in range(len(labels)) if labels[j] != labels[i]]
     return pos, neg
 
 
-def _anchors_with_positives(y: Tensor, n_anchors: int | None):
+def _anchors_with_positives(y: Tensor, n_anchors: int | None, same=None):
     """``(i, positives, all other indices)`` for every anchor ``i`` that has a positive."""
     for i in range(n_anchors or len(y)):
-        pos, _ = _sets(y, i)
+        pos, _ = _sets(y, i, same)
         if pos:
             yield i, pos, [j for j in range(len(y)) if j != i]
 
@@ -44,13 +52,13 @@ def _mean(terms: list[Tensor], z: Tensor) -> Tensor:
     return sum(terms) / len(terms) if terms else z.double().sum() * 0.0
 
 
-def circle(z, y, m=0.25, gamma=256.0, n_anchors=None) -> Tensor:
+def circle(z, y, m=0.25, gamma=256.0, n_anchors=None, same=None) -> Tensor:
     """Circle loss, Sun et al. CVPR 2020 Eq. 6 (alpha_p = [1 + m - s_p]_+, alpha_n = [s_n + m]_+, Delta_p = 1 - m,
     Delta_n = m; alphas constant), mean over anchors with a positive and a negative."""
     x = _unit_rows(z)
     terms = []
     for i in range(n_anchors or len(x)):
-        pos, neg = _sets(y, i)
+        pos, neg = _sets(y, i, same)
         if not pos or not neg:
             continue
         lp = []
@@ -66,11 +74,11 @@ def circle(z, y, m=0.25, gamma=256.0, n_anchors=None) -> Tensor:
     return _mean(terms, z)
 
 
-def supcon(z, y, temperature=0.1, n_anchors=None) -> Tensor:
+def supcon(z, y, temperature=0.1, n_anchors=None, same=None) -> Tensor:
     """SupCon L_out, Khosla et al. NeurIPS 2020 Eq. 2, mean over anchors with a positive."""
     x = _unit_rows(z)
     terms = []
-    for i, pos, others in _anchors_with_positives(y, n_anchors):
+    for i, pos, others in _anchors_with_positives(y, n_anchors, same):
         log_den = _lse([torch.dot(x[i], x[a]) / temperature for a in others])
         terms.append(-sum(torch.dot(x[i], x[p]) / temperature - log_den for p in pos) / len(pos))
     return _mean(terms, z)
@@ -89,12 +97,12 @@ def ntxent(z, y, temperature=0.1, n_anchors=None) -> Tensor:
     return _mean(terms, z)
 
 
-def nca(z, y, scale=1.0, objective="log", n_anchors=None) -> Tensor:
+def nca(z, y, scale=1.0, objective="log", n_anchors=None, same=None) -> Tensor:
     """NCA, Goldberger et al. 2004: p_ij = softmax_{j != i}(-scale ||x_i - x_j||^2) (Eq. 1), p_i = sum_{C_i} p_ij
     (Eq. 2); loss -mean log p_i (or -mean p_i, Eq. 3) over anchors with a positive."""
     x = _unit_rows(z)
     terms = []
-    for i, pos, others in _anchors_with_positives(y, n_anchors):
+    for i, pos, others in _anchors_with_positives(y, n_anchors, same):
         logits = {j: -scale * (x[i] - x[j]).pow(2).sum() for j in others}
         den = sum(torch.exp(logits[j]) for j in others)
         p_i = sum(torch.exp(logits[j]) for j in pos) / den
@@ -116,14 +124,14 @@ def angular(z, y, alpha=math.pi / 4, n_anchors=None) -> Tensor:
     return _mean(terms, z)
 
 
-def fastap(z, y, num_bins=10, n_anchors=None) -> Tensor:
+def fastap(z, y, num_bins=10, n_anchors=None, same=None) -> Tensor:
     """FastAP, Cakir et al. CVPR 2019 Eqs. 9-11: squared distances in [0, 4], L + 1 triangular bins of width 4/L,
     FastAP_q = 1/N+ sum_l h+_l H+_l / H_l; loss 1 - mean over queries with a positive."""
     x = _unit_rows(z)
     delta = 4.0 / num_bins
     terms = []
     for q in range(n_anchors or len(x)):
-        pos, neg = _sets(y, q)
+        pos, neg = _sets(y, q, same)
         if not pos:
             continue
         d = {j: (x[q] - x[j]).pow(2).sum() for j in pos + neg}
@@ -141,14 +149,14 @@ def fastap(z, y, num_bins=10, n_anchors=None) -> Tensor:
     return _mean(terms, z)
 
 
-def smooth_ap(z, y, temperature=0.01, n_anchors=None, include_query=False) -> Tensor:
+def smooth_ap(z, y, temperature=0.01, n_anchors=None, include_query=False, same=None) -> Tensor:
     """Smooth-AP, Brown et al. ECCV 2020 Eqs. 11-13 with G(x) = sigmoid(x / tau), D_ij = s_j - s_i; mean of 1 - AP
     over queries with a positive. ``include_query=True`` keeps the query in its own gallery and positive set (the
     authors' code and pytorch-metric-learning)."""
     x = _unit_rows(z)
     terms = []
     for q in range(n_anchors or len(x)):
-        pos, neg = _sets(y, q)
+        pos, neg = _sets(y, q, same)
         if include_query:
             pos = [q] + pos
         if not pos:

@@ -258,7 +258,7 @@ def test_autocast_returns_fp32_and_matches(name):
         ((torch.randn(8, 4), torch.zeros(8)), "integer"),
         ((torch.randn(8, 4).long(), torch.zeros(8, dtype=torch.long)), "floating"),
         ((torch.randn(0, 4), torch.zeros(0, dtype=torch.long)), "empty"),
-        ((torch.randn(8, 4), torch.zeros(8, 1, dtype=torch.long)), "shape"),
+        ((torch.randn(8, 4), torch.zeros(8, 1, 2, dtype=torch.long)), "shape"),  # [8, 1] is a label set (issue 20)
         ((torch.randn(8, 4), torch.zeros(8, dtype=torch.long, device="meta")), "device|on meta"),
     ],
 )

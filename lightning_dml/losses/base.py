@@ -48,13 +48,17 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_dml.distributed import get_world_size
-from lightning_dml.input_checks import check_embeddings, check_finite, check_labels, check_same_device
-from lightning_dml.miners import label_masks
+from lightning_dml.input_checks import check_embeddings, check_finite, check_integer_labels, check_labels
+from lightning_dml.input_checks import check_same_device
+from lightning_dml.miners import cat_labels, label_masks
 from lightning_dml.scaling import l2_normalize
 
 __all__ = [
     "DIST_EPS",
     "check_inputs",
+    "check_label_sets",
+    "label_sets_error",
+    "label_set_losses",
     "upcast",
     "normalize_embeddings",
     "similarity_matrix",
@@ -118,17 +122,60 @@ def batch_normaliser(count: Tensor | int | None, like: Tensor) -> Tensor:
     return count.to(like.dtype).clamp(min=1) / world
 
 
+def label_set_losses() -> list[str]:
+    """Registry names of the losses that take label sets (``supports_label_sets``), sorted."""
+    from lightning_dml.losses.registry import LOSSES  # the registry is complete once the package is imported
+
+    return sorted(name for name, cls in LOSSES.items() if getattr(cls, "supports_label_sets", False) is True)
+
+
+def label_sets_error(loss: object, shape: tuple[int, ...] | None = None) -> ValueError:
+    """The one error for label sets given to a loss that cannot take them: names the loss, why (its
+    ``label_sets_reason``) and what to use instead."""
+    name = type(loss).__name__
+    got = f" (labels of shape {list(shape)})" if shape is not None else ""
+    reason = getattr(loss, "label_sets_reason", None) or "its definition needs one class per item"
+    return ValueError(
+        f"{name} cannot train on label sets{got}: {reason}. Use one label per item ([B] class ids), or a loss that "
+        f"takes label sets (a pair positive when the sets intersect): {', '.join(label_set_losses())}"
+    )
+
+
+def check_label_sets(
+    labels: object, length: int, name: str = "labels", *, of: str = "embeddings", where: str | None = None
+) -> None:
+    """``labels`` must be ``[length]`` class ids or ``[length, L]`` label sets: integers ``>= 0`` padded with ``-1``
+    (:mod:`lightning_dml.miners.pairs`). One host read for label sets (their smallest value)."""
+    if not isinstance(labels, Tensor) or labels.ndim != 2:
+        check_labels(labels, length, name, of=of, where=where)
+        return
+    prefix = f"{where}: " if where else ""
+    check_integer_labels(labels, name, where=where)
+    if labels.shape[0] != length:
+        raise ValueError(f"{prefix}{name} has {labels.shape[0]} rows (label sets) but {of} has {length} rows")
+    if labels.shape[1] == 0:
+        raise ValueError(f"{prefix}{name} are label sets of width L = 0; give at least one column (-1 pads)")
+    if labels.numel() and int(labels.min()) < -1:
+        row = int((labels < -1).any(dim=1).nonzero()[0])
+        raise ValueError(
+            f"{prefix}{name} (label sets) must hold class ids >= 0 padded with -1, found {int(labels.min())} in row {row}"
+        )
+
+
 def check_inputs(
     embeddings: Tensor,
     labels: Tensor,
     ref_embeddings: Tensor | None = None,
     ref_labels: Tensor | None = None,
     where: str | None = None,
+    label_sets: bool = False,
 ) -> None:
     """Validate a loss call with :mod:`lightning_dml.input_checks`; ``ValueError`` saying what is wrong and where
-    (``where``, e.g. the loss's class name, prefixes the message)."""
+    (``where``, e.g. the loss's class name, prefixes the message). ``label_sets``: ``[B, L]`` label sets are
+    accepted too (:func:`check_label_sets`)."""
     check_embeddings(embeddings, "embeddings", where=where)
-    check_labels(labels, embeddings.shape[0], "labels", where=where)
+    check = check_label_sets if label_sets else check_labels
+    check(labels, embeddings.shape[0], "labels", where=where)
     check_same_device(labels, embeddings, "labels", where=where)
     check_finite(embeddings, "embeddings", where=where)
     if (ref_embeddings is None) != (ref_labels is None):
@@ -136,7 +183,7 @@ def check_inputs(
     if ref_embeddings is None:
         return
     check_embeddings(ref_embeddings, "ref_embeddings", where=where, allow_empty=True)
-    check_labels(ref_labels, ref_embeddings.shape[0], "ref_labels", of="ref_embeddings", where=where)
+    check(ref_labels, ref_embeddings.shape[0], "ref_labels", of="ref_embeddings", where=where)
     prefix = f"{where}: " if where else ""
     if ref_embeddings.shape[1] != embeddings.shape[1]:
         raise ValueError(
@@ -279,6 +326,10 @@ class PairLoss(nn.Module):
     scalar (computed in fp32 with autocast disabled; fp64 inputs are computed and returned in fp64). Reference items
     are extra gallery columns: every anchor of the batch is scored against the batch (its self-pair removed by
     index) and the ``M`` references; the reduction is over the ``B`` batch anchors.
+
+    A loss with ``supports_label_sets = True`` also takes label sets ``labels [B, L]`` (``ref_labels [M, L']``)
+    padded with ``-1``: a pair is positive when the two sets intersect (:mod:`lightning_dml.miners.pairs`, the one
+    place that turns labels into pair masks); the others raise :func:`label_sets_error`.
     """
 
     # ---- the loss's anatomy: what it needs and supports (read by lightning_dml.checks and DMLModule; a subclass
@@ -304,6 +355,11 @@ class PairLoss(nn.Module):
     #: couple anchors; exact, at W times the loss's compute); ``None`` - not supported, rejected when fit starts.
     #: The default is the one that is exact for any deterministic loss.
     gather_mode: str | None = "global_batch"
+    #: whether the loss takes label sets (``[B, L]`` padded with -1, a pair positive when the sets intersect): true
+    #: for the losses whose definition only asks "is this pair positive" (:mod:`lightning_dml.miners.pairs`)
+    supports_label_sets: bool = False
+    #: why it does not (named in :func:`label_sets_error`; read when ``supports_label_sets`` is False)
+    label_sets_reason: str | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -316,7 +372,12 @@ class PairLoss(nn.Module):
         ref_embeddings: Tensor | None = None,
         ref_labels: Tensor | None = None,
     ) -> Tensor:
-        check_inputs(embeddings, labels, ref_embeddings, ref_labels, where=type(self).__name__)
+        if not self.supports_label_sets and any(isinstance(t, Tensor) and t.ndim == 2 for t in (labels, ref_labels)):
+            raise label_sets_error(self, tuple(labels.shape))
+        check_inputs(
+            embeddings, labels, ref_embeddings, ref_labels, where=type(self).__name__,
+            label_sets=self.supports_label_sets,
+        )
         if ref_embeddings is not None and not self.supports_ref:
             raise ValueError(
                 f"{type(self).__name__} cannot score against ref_embeddings (its batch structure is fixed); "
@@ -329,7 +390,7 @@ class PairLoss(nn.Module):
                 gallery, gallery_labels = None, labels
             else:
                 ref = normalize_embeddings(ref_embeddings) if self.normalize else upcast(ref_embeddings)
-                gallery, gallery_labels = torch.cat([anchors, ref]), torch.cat([labels, ref_labels])
+                gallery, gallery_labels = torch.cat([anchors, ref]), cat_labels(labels, ref_labels)
             loss = self.compute(anchors, labels, gallery, gallery_labels)
         return upcast(loss)
 

@@ -33,6 +33,8 @@ class BinomialDevianceLoss(PairLoss):
 
     #: under DDP: anchors scored against the gathered batch, batch-wide reductions (losses.base)
     gather_mode = "references"
+    #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
+    supports_label_sets = True
 
     def __init__(self, alpha: float = 2.0, beta: float = 50.0, lam: float = 0.5) -> None:
         super().__init__()

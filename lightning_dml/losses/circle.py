@@ -40,6 +40,8 @@ class CircleLoss(PairLoss):
 
     #: a mean of per-anchor (per-pair) terms over the global gallery: exact under DDP with all-reduced counts
     gather_mode = "references"
+    #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
+    supports_label_sets = True
 
     def __init__(self, m: float = 0.25, gamma: float = 256.0) -> None:
         super().__init__()

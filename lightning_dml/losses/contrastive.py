@@ -9,7 +9,7 @@ from lightning_dml.losses.base import ClosedFormPairFunction, PairLoss, batch_no
 from lightning_dml.losses.base import distance_from_similarity
 from lightning_dml.losses.base import squared_distance_from_similarity
 from lightning_dml.losses.registry import register_loss
-from lightning_dml.miners import positive_pairs
+from lightning_dml.miners import negative_mask, positive_pairs
 
 __all__ = ["ContrastiveLoss", "PAIR_REDUCTIONS", "reduce_pair_terms"]
 
@@ -59,6 +59,8 @@ class ContrastiveLoss(PairLoss):
 
     #: under DDP: anchors scored against the gathered batch, batch-wide reductions (losses.base)
     gather_mode = "references"
+    #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
+    supports_label_sets = True
 
     def __init__(
         self,
@@ -112,7 +114,7 @@ class ContrastiveLoss(PairLoss):
     def compute(self, anchors: Tensor, labels: Tensor, gallery: Tensor | None, gallery_labels: Tensor) -> Tensor:
         """Closed-form path with a sparse ``W``: only positive pairs and active negatives carry a weight.
 
-        Positives come from the sorted labels (:func:`positive_pairs`); negatives are examined only in rows whose
+        Positives come from :func:`positive_pairs` (the sorted labels, or the label sets' mask); negatives are examined only in rows whose
         largest non-self similarity can reach the negative margin (``D < m2`` <=> ``S > 1 - m2^2 / 2``). Every
         value is computed with the same element-wise formulas as :meth:`pair_loss`.
         """
@@ -133,7 +135,7 @@ class ContrastiveLoss(PairLoss):
             if rows.numel() > 0 and self.neg_margin > 0:
                 block = raw[rows]
                 xn, dxn = self._dist(block)
-                neg = labels[rows][:, None] != gallery_labels[None, :]
+                neg = negative_mask(labels[rows], gallery_labels, rows)
                 hn_block = (self.neg_margin - xn).clamp(min=0.0) * neg
                 rr, nc = hn_block.nonzero(as_tuple=True)
                 hn, dxn, nr = hn_block[rr, nc], dxn[rr, nc], rows[rr]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_dml.losses.base import PairLoss, check_inputs
+from lightning_dml.losses.base import PairLoss, check_inputs, label_sets_error
 from lightning_dml.losses.registry import build_loss, register_loss
 
 __all__ = ["CrossBatchMemory"]
@@ -44,6 +44,8 @@ class CrossBatchMemory(nn.Module):
     needs_embedding_dim = True
     required_sampler = None
     gather_mode = "global_batch"
+    supports_label_sets = False
+    label_sets_reason = "its memory queue stores one class id per item"
 
     def __init__(
         self,
@@ -121,6 +123,8 @@ class CrossBatchMemory(nn.Module):
         ref_embeddings: Tensor | None = None,
         ref_labels: Tensor | None = None,
     ) -> Tensor:
+        if any(isinstance(t, Tensor) and t.ndim == 2 for t in (labels, ref_labels)):
+            raise label_sets_error(self, tuple(labels.shape))
         check_inputs(embeddings, labels, ref_embeddings, ref_labels, where=type(self).__name__)
         if self.embedding_size is None:
             self.complete(embedding_dim=embeddings.shape[1])

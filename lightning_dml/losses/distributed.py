@@ -20,6 +20,10 @@ Each loss declares how (its ``gather_mode`` class attribute, see :class:`~lightn
 
 Random choices inside a loss (tuplet margin's random negatives) are the same on every process only with the
 loss's ``seed`` set.
+
+Label sets (``[B, L]`` padded with -1, for the losses with ``supports_label_sets``) are gathered like labels after
+padding every process's block to the widest ``L`` (one extra all-reduce); every process must then hold label sets
+(a data module yields the same kind on every process).
 """
 
 from __future__ import annotations
@@ -27,10 +31,22 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+import torch.distributed as dist
+
 from lightning_dml.distributed import all_gather_uneven, get_rank, get_world_size
 from lightning_dml.losses.base import global_reduction
+from lightning_dml.miners.pairs import as_label_sets
 
 __all__ = ["gather_from_other_ranks", "gathered_loss"]
+
+
+def _common_width(labels: Tensor) -> Tensor:
+    """Label sets padded with -1 to the widest ``L`` over the processes (labels ``[B]`` unchanged)."""
+    if labels.ndim != 2:
+        return labels
+    width = torch.tensor([labels.shape[1]], dtype=torch.long, device=labels.device)
+    dist.all_reduce(width, op=dist.ReduceOp.MAX)
+    return as_label_sets(labels, int(width.item()))
 
 
 def gather_from_other_ranks(embeddings: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -47,7 +63,7 @@ def gather_from_other_ranks(embeddings: Tensor, labels: Tensor) -> tuple[Tensor,
     """
     if get_world_size() == 1:
         return embeddings[:0], labels[:0]
-    emb_parts, label_parts = all_gather_uneven(embeddings, labels, with_grad=True)
+    emb_parts, label_parts = all_gather_uneven(embeddings, _common_width(labels), with_grad=True)
     rank = get_rank()
     others = [r for r in range(len(emb_parts)) if r != rank]
     return torch.cat([emb_parts[r] for r in others]), torch.cat([label_parts[r] for r in others])
@@ -68,7 +84,7 @@ def gathered_loss(loss: nn.Module, embeddings: Tensor, labels: Tensor) -> Tensor
         with global_reduction():
             return loss(embeddings, labels, ref_embeddings=ref_embeddings, ref_labels=ref_labels)
     if mode == "global_batch":
-        emb_parts, label_parts = all_gather_uneven(embeddings, labels, with_grad=True)
+        emb_parts, label_parts = all_gather_uneven(embeddings, _common_width(labels), with_grad=True)
         return loss(torch.cat(emb_parts), torch.cat(label_parts))
     raise ValueError(
         f"{type(loss).__name__} declares gather_mode={mode!r}: it cannot be trained with gather_distributed=True"

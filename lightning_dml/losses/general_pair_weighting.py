@@ -62,6 +62,10 @@ class GeneralPairWeightingLoss(PairLoss):
 
     #: under DDP: anchors scored against the gathered batch, batch-wide reductions (losses.base)
     gather_mode = "references"
+    label_sets_reason = (
+        "label sets are not implemented for it yet (its definition only asks which pairs are positive, so it could "
+        "take them: see docs/losses/README.md)"
+    )
 
     def __init__(
         self,

@@ -43,6 +43,9 @@ class LiftedStructureLoss(PairLoss):
     ``"gpw"`` and ``"generalized"`` such a term is 0; in ``"star"`` an empty set contributes 0.
     """
 
+    #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
+    supports_label_sets = True
+
     def __init__(self, margin: float = 1.0, variant: str = "original", alpha: float = 2.0, beta: float = 50.0) -> None:
         super().__init__()
         if variant not in _VARIANTS:

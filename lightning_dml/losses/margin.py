@@ -70,6 +70,10 @@ class MarginLoss(PairLoss):
     #: batch, so the random draw is the single-process one; ``sampling="all"`` is deterministic and runs as
     #: ``"references"`` (a sum over triplets divided by the all-reduced count of non-zero terms)
     gather_mode = "global_batch"
+    label_sets_reason = (
+        "its margin beta is learned per class (class_margins=True, Sampling-Matters Eq. 5: beta(class)); with "
+        "class_margins=False it only asks which pairs are positive, but label sets are not implemented for it yet"
+    )
 
     def __init__(
         self,

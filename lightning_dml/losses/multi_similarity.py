@@ -8,7 +8,7 @@ from torch import Tensor
 from lightning_dml.losses.base import ClosedFormPairFunction, PairLoss, batch_normaliser, lse0, masked_lse
 from lightning_dml.losses.base import masked_mean
 from lightning_dml.losses.registry import register_loss
-from lightning_dml.miners import multi_similarity_mining
+from lightning_dml.miners import is_label_sets, label_masks, multi_similarity_mining
 
 __all__ = ["MultiSimilarityLoss"]
 
@@ -49,6 +49,8 @@ class MultiSimilarityLoss(PairLoss):
 
     #: under DDP: anchors scored against the gathered batch, batch-wide reductions (losses.base)
     gather_mode = "references"
+    #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
+    supports_label_sets = True
 
     def __init__(
         self,
@@ -201,7 +203,10 @@ def _step(x: Tensor) -> Tensor:
 
 def _float_label_masks(labels: Tensor, gallery_labels: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(pos, neg)`` as 0/1 float matrices (self-pairs removed by index); labels are first renumbered 0..C-1
-    so that they are exact in floating point."""
+    so that they are exact in floating point. Label sets: :func:`~lightning_dml.miners.label_masks` as floats."""
+    if is_label_sets(labels) or is_label_sets(gallery_labels):
+        pos, neg = label_masks(labels, gallery_labels)
+        return pos.to(dtype), neg.to(dtype)
     B = labels.shape[0]
     ids = torch.unique(torch.cat([labels, gallery_labels]), return_inverse=True)[1].to(dtype)
     neg = (ids[:B, None] - ids[None, B:]).abs_().clamp_(max=1.0)

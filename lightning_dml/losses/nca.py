@@ -43,6 +43,8 @@ class NCALoss(PairLoss):
 
     #: a mean of per-anchor (per-pair) terms over the global gallery: exact under DDP with all-reduced counts
     gather_mode = "references"
+    #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
+    supports_label_sets = True
 
     def __init__(self, scale: float = 1.0, objective: str = "log") -> None:
         super().__init__()

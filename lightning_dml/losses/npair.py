@@ -90,6 +90,10 @@ class NPairLoss(PairLoss):
     #: processes' batches, so ``gather_distributed=True`` is rejected
     required_sampler = "npair"
     gather_mode = None
+    label_sets_reason = (
+        "its batch is N (anchor, positive) pairs from N distinct classes (N-pair paper Sec. 3.2), a structure built "
+        "from one class id per item; with several labels per item \"distinct classes\" is undefined"
+    )
 
     def __init__(self, l2_reg: float = 0.005, symmetric: bool = False, variant: str = "mc") -> None:
         super().__init__()

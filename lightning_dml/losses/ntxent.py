@@ -37,6 +37,10 @@ class NTXentLoss(TemperaturePairLoss):
 
     #: a mean of per-anchor (per-pair) terms over the global gallery: exact under DDP with all-reduced counts
     gather_mode = "references"
+    label_sets_reason = (
+        "label sets are not implemented for it yet (its definition only asks which pairs are positive, so it could "
+        "take them: see docs/losses/README.md)"
+    )
 
     def __init__(self, temperature: float = 0.1) -> None:
         super().__init__(temperature)

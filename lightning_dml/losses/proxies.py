@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from lightning_dml.losses.base import check_inputs, normalize_embeddings, upcast
+from lightning_dml.losses.base import check_inputs, label_sets_error, normalize_embeddings, upcast
 from lightning_dml.scaling import power_of_two_scale
 
 __all__ = ["ProxyLoss", "ProxySoftmaxFunction", "normalize_proxies", "proxy_softmax_loss"]
@@ -258,6 +258,12 @@ class ProxyLoss(nn.Module):
     #: batch; DDP averages the gradients): nothing to gather, ``gather_distributed=True`` is rejected. Losses whose
     #: terms couple samples (Proxy-Anchor) set ``"global_batch"`` (:mod:`lightning_dml.losses.distributed`).
     gather_mode: str | None = None
+    #: label sets ([B, L]) are rejected: see ``label_sets_reason``
+    supports_label_sets: bool = False
+    label_sets_reason: str | None = (
+        "it scores each item against the proxy of its one class (a class index per item, from the data module's "
+        "train_class_ids); its paper defines it for one class per item"
+    )
 
     def __init__(
         self, num_classes: int | None = None, embedding_dim: int | None = None, proxies_per_class: int = 1
@@ -331,6 +337,8 @@ class ProxyLoss(nn.Module):
                 f"{name} has no proxies yet: {' and '.join(missing)} unknown. Pass them to the constructor, call "
                 f"complete(...), or train it with DMLModule, which fills them in from the data module and the head"
             )
+        if isinstance(labels, Tensor) and labels.ndim == 2:
+            raise label_sets_error(self, tuple(labels.shape))
         check_inputs(embeddings, labels)
         if embeddings.shape[1] != self.embedding_dim:
             raise ValueError(

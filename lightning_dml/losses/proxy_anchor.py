@@ -44,6 +44,10 @@ class ProxyAnchorLoss(ProxyLoss):
     #: every proxy pools the whole batch: under DDP with gather_distributed each process computes the loss of the
     #: gathered global batch (exact; :mod:`lightning_dml.losses.distributed`)
     gather_mode = "global_batch"
+    label_sets_reason = (
+        "its paper's per-proxy positive sets X_p+ could hold an item under several proxies, but this implementation "
+        "(like every proxy loss here) takes one class index per item (one proxy per class of train_class_ids)"
+    )
 
     def __init__(
         self,

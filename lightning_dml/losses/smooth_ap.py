@@ -8,7 +8,7 @@ from torch import Tensor
 from lightning_dml.losses.base import batch_normaliser, similarity_matrix
 from lightning_dml.losses.registry import register_loss
 from lightning_dml.losses.temperature import TemperaturePairLoss
-from lightning_dml.miners.mining import positive_table
+from lightning_dml.miners import positive_table, same_label_mask
 
 __all__ = ["SmoothAPLoss"]
 
@@ -44,6 +44,8 @@ class SmoothAPLoss(TemperaturePairLoss):
 
     #: a mean of per-anchor (per-pair) terms over the global gallery: exact under DDP with all-reduced counts
     gather_mode = "references"
+    #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
+    supports_label_sets = True
 
     def __init__(self, temperature: float = 0.01) -> None:
         super().__init__(temperature)
@@ -61,7 +63,7 @@ class SmoothAPLoss(TemperaturePairLoss):
         gallery_idx = torch.arange(num_gallery, device=sim.device)
         query_idx = torch.arange(num_queries, device=sim.device)
         others = (gallery_idx[None, None, :] != cols[:, :, None]) & (gallery_idx[None, :] != query_idx[:, None])[:, None, :]
-        same = (labels[:, None] == gallery_labels[None, :])[:, None, :]
+        same = same_label_mask(labels, gallery_labels)[:, None, :]
         g = g * others
         rank_all = 1.0 + g.sum(dim=2)
         rank_pos = 1.0 + (g * same).sum(dim=2)

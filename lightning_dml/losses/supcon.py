@@ -41,6 +41,8 @@ class SupConLoss(TemperaturePairLoss):
 
     #: a mean of per-anchor (per-pair) terms over the global gallery: exact under DDP with all-reduced counts
     gather_mode = "references"
+    #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
+    supports_label_sets = True
 
     def __init__(self, temperature: float = 0.1) -> None:
         super().__init__(temperature)

@@ -43,6 +43,8 @@ class TripletLoss(PairLoss):
 
     #: under DDP: anchors scored against the gathered batch, batch-wide reductions (losses.base)
     gather_mode = "references"
+    #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
+    supports_label_sets = True
 
     def __init__(
         self, margin: float = 0.1, mining: str = "all", squared: bool = False, reduction: str = "mean_nonzero"

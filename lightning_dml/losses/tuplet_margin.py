@@ -53,6 +53,11 @@ class TupletMarginLoss(PairLoss):
     is 0 and each tuplet's LSE0 over an empty set is 0.
     """
 
+    label_sets_reason = (
+        "its tuplets take one negative from each other class (TML Sec. 3.2) and its variance regulariser is per "
+        "positive pair of a class, both built from one class id per item"
+    )
+
     def __init__(
         self,
         scale: float = 64.0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_dml.miners.mining import positive_table
+from lightning_dml.miners.pairs import negative_mask, positive_table
 
 __all__ = ["distance_weighted_log_weights", "distance_weighted_sampling"]
 
@@ -39,7 +39,8 @@ def distance_weighted_sampling(
     Args:
         dist: ``B x N`` Euclidean distances of unit vectors (the gallery starts with the ``B`` anchors); no
             gradient is taken.
-        labels: ``[B]`` anchor labels; ``gallery_labels``: ``[N]`` (default ``labels``).
+        labels: ``[B]`` anchor labels or ``[B, L]`` label sets (:mod:`lightning_dml.miners.pairs`: positive when
+            the sets intersect); ``gallery_labels``: ``[N]`` / ``[N, L']`` (default ``labels``).
         dim: the embedding dimension ``n`` of Eq. 3 (required).
         generator: random generator for the draw (``torch.multinomial``, with replacement).
 
@@ -53,7 +54,7 @@ def distance_weighted_sampling(
     if gallery_labels is None:
         gallery_labels = labels
     dist = dist.detach()
-    neg = labels[:, None] != gallery_labels[None, :]
+    neg = negative_mask(labels, gallery_labels)
     log_w = distance_weighted_log_weights(dist, dim, cutoff)
     near = neg & (dist < nonzero_loss_cutoff)
     has_near = near.any(dim=1, keepdim=True)

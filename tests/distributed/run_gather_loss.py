@@ -19,6 +19,11 @@ Losses that declare ``gather_mode = None`` must be rejected by ``checks.check_ga
 process's mean over its own equal-sized batch, DDP's average), checked when the local batches have equal sizes.
 Controls (must NOT match, or the test has no power): references gathered without autograd, and batch-wide counts
 taken per process (the reductions outside ``global_reduction``).
+
+Label sets: every variant of the losses that declare ``supports_label_sets`` again with label sets ``[B, L]`` (the
+global batch's labels, a third of the items with a second label, one item with none); each process holds its block
+packed to its own largest set (widths differ between processes: ``gathered_loss`` pads them). Control: the first
+label alone must NOT match. Every other loss must reject label sets under ``gathered_loss`` with its message.
 """
 
 from __future__ import annotations
@@ -92,6 +97,26 @@ def _data():
     x = centres[labels] + 0.35 * torch.randn(P * K, DIM, generator=g, dtype=torch.float64)
     perm = torch.randperm(P * K, generator=g)  # classes spread over the processes
     return x[perm], labels[perm]
+
+
+def _label_sets(labels: torch.Tensor) -> torch.Tensor:
+    """``[N, 3]`` label sets: every item its class, every third item from row 5 on also the next class, the last
+    item a third label, item 4 no label; some rows with the padding first. Process 0's block (rows 0-4 at least)
+    packs to width 1 or 2, the last process's to width 3."""
+    index = torch.arange(labels.numel())
+    second = torch.where(((index % 3 == 0) & (index >= 5)) | (index == labels.numel() - 1), (labels + 1) % P, -1)
+    third = torch.where(index == labels.numel() - 1, (labels + 2) % P, -1)
+    sets = torch.stack([labels, second, third], dim=1)
+    sets[4] = -1
+    sets[1::4] = sets[1::4].flip(1)
+    return sets
+
+
+def _packed(sets: torch.Tensor) -> torch.Tensor:
+    """A block's sets with the labels first, cut to its largest set (at least one column)."""
+    packed = sets.sort(dim=1, descending=True).values  # labels >= 0 before the -1 padding
+    width = max(int((packed >= 0).sum(dim=1).max()), 1)
+    return packed[:, :width]
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -173,6 +198,31 @@ def _worker(rank: int, world: int, store_path: str) -> None:
         want = _reference(name, kwargs, x, y, calls)
         got = _distributed(name, kwargs, x[local], y[local], world, calls)
         _compare(f"{label} [{mode}]", got, want, local, failures, lines)
+
+    # label sets: every variant of the losses that take them; the other losses reject them
+    from lightning_dml.losses import LOSSES
+
+    sets = _label_sets(y)
+    local_sets = _packed(sets[local])
+    for label, (name, kwargs) in _variants().items():
+        probe = _build(name, kwargs)
+        if not getattr(LOSSES[name], "supports_label_sets", False):
+            try:
+                gathered_loss(probe, x[local].clone(), local_sets)
+                failures.append(f"{label}: accepted label sets under gathered_loss")
+            except ValueError as err:  # gather_mode=None losses: that message comes first (DMLModule checks both)
+                needle = "cannot train on label sets" if probe.gather_mode else "gather_distributed"
+                if type(probe).__name__ not in str(err) or needle not in str(err):
+                    failures.append(f"{label}: label-set rejection message: {err}")
+            continue
+        want = _reference(name, kwargs, x, sets, 1)
+        got = _distributed(name, kwargs, x[local], local_sets, world, 1)
+        _compare(f"{label} [{probe.gather_mode}, label sets width {local_sets.shape[1]}]", got, want, local, failures, lines)
+    first_only = _distributed("triplet", {}, x[local], sets[local].amax(dim=1), world, 1)[1]
+    same = torch.tensor(float(_close(first_only, _reference("triplet", {}, x, sets, 1)[1][local])))
+    dist.all_reduce(same)
+    if float(same) == world:
+        failures.append("control label sets: one label per item matches the label-set gradient (no power)")
 
     # controls: these must differ from the global batch (otherwise the comparisons above could not fail)
     from lightning_dml.losses import ContrastiveLoss
