@@ -75,7 +75,7 @@ GROUPS: dict[str, dict] = {
     },
     "miners": {
         "sources": ["lightning_dml/miners/*.py"],
-        "tests": ["tests/test_miners.py", "tests/test_losses_*.py"],
+        "tests": ["tests/test_miners*.py", "tests/test_losses_*.py"],
         "subprocess_tests": {},
     },
     "metrics": {
