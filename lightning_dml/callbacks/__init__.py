@@ -6,6 +6,8 @@
   and :class:`RecallCurve`;
 * :mod:`~lightning_dml.callbacks.predictions`: :class:`PredictionWriter`, the file ``lightning-dml predict``
   writes, and :func:`load_predictions`;
+* :mod:`~lightning_dml.callbacks.report`: :class:`RetrievalReport`, the retrieval report (``lightning-dml report``)
+  at the end of ``test``, with the worst queries logged to W&B and TensorBoard;
 * :mod:`~lightning_dml.callbacks.retrieval`: :class:`RetrievalComparison` (the before/after table of
   ``make demo``), :class:`RetrievalGridLogger`, :func:`format_table`, :func:`evaluate_embeddings`;
 * :mod:`~lightning_dml.callbacks.summary`: :class:`ValidationSummary`, the last validation metrics at the end
@@ -19,6 +21,7 @@ from lightning_dml.callbacks.class_embeddings import ClassEmbeddingRefresh
 from lightning_dml.callbacks.diagnostics import PairSimilarityHistogram, RecallCurve
 from lightning_dml.callbacks.embedding import embed_loader
 from lightning_dml.callbacks.predictions import PredictionWriter, load_predictions
+from lightning_dml.callbacks.report import RetrievalReport
 from lightning_dml.callbacks.retrieval import (
     RetrievalComparison,
     RetrievalGridLogger,
@@ -35,6 +38,7 @@ __all__ = [
     "RecallCurve",
     "RetrievalComparison",
     "RetrievalGridLogger",
+    "RetrievalReport",
     "ValidationSummary",
     "embed_loader",
     "evaluate_embeddings",

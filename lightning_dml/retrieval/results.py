@@ -33,6 +33,8 @@ __all__ = ["RetrievalResults"]
 
 #: format version of the ``.npz`` file written by :meth:`RetrievalResults.save`
 FORMAT_VERSION = 1
+#: the options of ``compute`` that the pair histogram shares with the search
+_SEARCH_OPTIONS = ("precision", "device", "query_block", "gallery_chunk", "tile_memory", "distributed", "process_group")
 
 
 def _as_numpy(t: Tensor | np.ndarray | None) -> np.ndarray | None:
@@ -67,6 +69,11 @@ class RetrievalResults:
         paths: the image file of every item, or None.
         class_names, category_names: names of the label and category ids, or None.
         metric: ``"cosine"`` or ``"euclidean"``.
+        r_precision: ``[Q]`` R-Precision of each query (``r_precision``'s per-query value), NaN when R = 0; None
+            in files written before it was kept.
+        pair_histogram: ``{"edges", "positive", "negative"}``, the exact histograms of the scores of every positive
+            and every negative (query, gallery) pair (:func:`~lightning_dml.retrieval.pair_score_histogram`), when
+            computed with ``pair_histogram_bins > 0``; else None.
     """
 
     query: np.ndarray
@@ -88,6 +95,8 @@ class RetrievalResults:
     category_names: list[str] | None = None
     metric: str = "cosine"
     extra: dict[str, Any] = field(default_factory=dict)
+    r_precision: np.ndarray | None = None
+    pair_histogram: dict[str, list] | None = None
 
     # ------------------------------------------------------------------------------------------- building
     @classmethod
@@ -106,11 +115,14 @@ class RetrievalResults:
         class_names: Sequence[str] | None = None,
         category_names: Sequence[str] | None = None,
         metric: str = "cosine",
+        pair_histogram_bins: int = 0,
         **options: Any,
     ) -> RetrievalResults:
         """Search every query exactly and keep its results (``options``: those of
         :func:`~lightning_dml.metrics.functional.retrieval_stats`: ``precision``, ``device``, tiles,
-        ``distributed``, ``process_group``). ``paths`` are in the order of ``embeddings`` (as ``indices``)."""
+        ``distributed``, ``process_group``). ``paths`` are in the order of ``embeddings`` (as ``indices``).
+        ``pair_histogram_bins > 0`` also counts every pair's exact score into that many bins
+        (:attr:`pair_histogram`; one more pass over every (query, gallery) pair)."""
         if int(top_k) < 1:
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         F.check_inputs(embeddings, labels, indices, query_mask, gallery_mask, sequence, category, where="RetrievalResults")
@@ -127,6 +139,7 @@ class RetrievalResults:
         )
         ap, _ = per_query(stats, parse_metric("map"))
         ap_r, _ = per_query(stats, parse_metric("map@r"))
+        r_prec, _ = per_query(stats, parse_metric("r_precision"))
         k = int(top_k)
         neighbors, scores, relevant = stats.neighbors[:, :k], stats.scores[:, :k], stats.relevance[:, :k]
         sorted_index = idx[order]
@@ -137,6 +150,15 @@ class RetrievalResults:
         def by_index(t: Tensor | None) -> np.ndarray | None:
             return None if t is None else _as_numpy(t.detach()[order])
 
+        histogram = None
+        if int(pair_histogram_bins) > 0:
+            from lightning_dml.retrieval.histogram import pair_score_histogram
+
+            histogram = pair_score_histogram(
+                embeddings, labels, indices=indices, query_mask=query_mask, gallery_mask=gallery_mask,
+                sequence=sequence, metric=metric, bins=int(pair_histogram_bins), validate=False,
+                **{k: v for k, v in options.items() if k in _SEARCH_OPTIONS},
+            )
         return cls(
             query=_as_numpy(sorted_index[stats.query_rows]),
             neighbors=_as_numpy(nb),
@@ -156,6 +178,8 @@ class RetrievalResults:
             class_names=None if class_names is None else [str(c) for c in class_names],
             category_names=None if category_names is None else [str(c) for c in category_names],
             metric=metric,
+            r_precision=_as_numpy(torch.where(none, nan, r_prec)),
+            pair_histogram=histogram,
         )
 
     @classmethod
@@ -190,6 +214,12 @@ class RetrievalResults:
     def map_at_r(self) -> float:
         """MAP@R over the queries with R > 0 (0.0 when there is none), as ``RetrievalMetrics`` computes it."""
         return exact_mean(self.average_precision_at_r, self.num_relevant > 0)
+
+    def r_precision_mean(self) -> float:
+        """R-Precision over the queries with R > 0, as ``RetrievalMetrics`` computes it (``r_precision``)."""
+        if self.r_precision is None:
+            raise ValueError("these results have no per-query R-Precision (a file written before it was kept)")
+        return exact_mean(self.r_precision, self.num_relevant > 0)
 
     def mean_average_precision(self) -> float:
         """MAP over the whole ranking, over the queries with R > 0."""

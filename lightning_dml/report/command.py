@@ -1,0 +1,227 @@
+"""``lightning-dml report``: the retrieval report of a model, a predictions file or a saved results file.
+
+Three sources, one of them::
+
+    lightning-dml report --out DIR --config CONFIG.yaml --ckpt_path MODEL.ckpt [--data.* overrides]
+    lightning-dml report --out DIR --predictions predictions.pt [--config CONFIG.yaml]
+    lightning-dml report --out DIR --results DIR/results.npz [--config CONFIG.yaml]
+
+With ``--ckpt_path`` the test split is embedded by ``lightning-dml predict`` itself (the same CLI, config and
+overrides, Lightning's predict loop and its :class:`~lightning_dml.callbacks.PredictionWriter`), writing
+``DIR/predictions.pt``. With ``--predictions`` (a ``lightning-dml predict`` output) the images are the files it names;
+a dataset without image files (Glyphs) needs ``--config`` too, whose data module then provides the images. The
+search is the exact engine's (:class:`~lightning_dml.retrieval.RetrievalResults`), and the folder is written by
+:func:`~lightning_dml.report.write_report` (``docs/report.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import time
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_dml.errors import UserInputError
+from lightning_dml.report.thumbnails import FORMATS, image_source
+from lightning_dml.report.writer import Report, write_report
+from lightning_dml.retrieval import RetrievalResults
+
+__all__ = ["ReportError", "build_parser", "main"]
+
+
+class ReportError(UserInputError, ValueError):
+    """A ``lightning-dml report`` command that cannot run as given."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lightning-dml report",
+        allow_abbrev=False,
+        description=(
+            "Write a retrieval report (DIR/index.html, opens offline from disk): metrics, Recall@K curve, per-class "
+            "table, the worst queries with their top-k, the most confused class pairs, the scores of positive and "
+            "negative pairs. From --config with --ckpt_path (embeds the test split as `lightning-dml predict` does; "
+            "every other argument goes to predict), --predictions FILE or --results FILE.npz."
+        ),
+    )
+    parser.add_argument("--out", type=Path, required=True, help="the report folder (created; thumbnails are reused)")
+    source = parser.add_argument_group("source (one of --ckpt_path, --predictions, --results)")
+    source.add_argument("--config", action="append", default=[], help="the run's config (as for predict; repeatable)")
+    source.add_argument("--ckpt_path", help="the checkpoint to embed the test split with (needs --config)")
+    source.add_argument("--predictions", type=Path, help="a `lightning-dml predict` output (predictions.pt)")
+    source.add_argument("--results", type=Path, help="a results.npz of an earlier report (RetrievalResults.save)")
+    page = parser.add_argument_group("page")
+    page.add_argument("--queries", default="500", help="the worst queries shown, or 'all' (default 500)")
+    page.add_argument("--by", choices=("ap", "first_relevant_rank"), default="ap",
+                      help="order of the worst queries: lowest AP or latest first relevant item (default ap)")
+    page.add_argument("--per_page", type=int, default=50, help="query rows per page (default 50)")
+    page.add_argument("--top_k", type=int, default=10, help="neighbours shown per query (default 10)")
+    page.add_argument("--recall_at", type=int, nargs="+", default=[1, 2, 4, 8], help="Recall@K of the metrics table")
+    page.add_argument("--confused", type=int, default=20, help="most confused class pairs shown (default 20)")
+    page.add_argument("--bins", type=int, default=50, help="bins of the pair-score histograms (0: none; default 50)")
+    page.add_argument("--metric", choices=("cosine", "euclidean"), default="cosine", help="similarity (default cosine)")
+    page.add_argument("--thumb_size", type=int, default=96, help="thumbnails' longer side in pixels (default 96)")
+    page.add_argument("--thumb_format", choices=tuple(FORMATS), default="webp", help="thumbnail format (default webp)")
+    page.add_argument("--title", default=None, help="the page's title")
+    return parser
+
+
+def _predict(configs: list[str], ckpt_path: str, out: Path, extra: list[str]) -> tuple[dict[str, Any], Any, bool]:
+    """Run ``lightning-dml predict`` (the CLI itself) writing ``out/predictions.pt``: (its data, the data module,
+    whether this process is rank 0). During the run the command line is predict's (:func:`~lightning_dml.protocol.
+    launch.fit_command`): the other processes of a DDP predict run ``lightning-dml predict`` alone."""
+    from lightning_dml.callbacks.predictions import PredictionWriter, load_predictions
+    from lightning_dml.cli import build_cli
+    from lightning_dml.protocol.launch import fit_command
+
+    args = ["predict", *(f"--config={c}" for c in configs), f"--ckpt_path={ckpt_path}", "--trainer.logger=false",
+            f"--trainer.default_root_dir={out}", *extra]
+    with fit_command(args):
+        cli = build_cli()
+    if not cli.trainer.is_global_zero:
+        return {}, cli.datamodule, False
+    writer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, PredictionWriter))
+    if writer.written_path is None:
+        raise ReportError("lightning-dml predict wrote no predictions file (no item in the test split?)")
+    return load_predictions(writer.written_path), cli.datamodule, True
+
+
+def _datamodule(configs: list[str], extra: list[str]) -> Any:
+    """The configured data module (the config's classes are instantiated as ``lightning-dml predict`` would)."""
+    from lightning_dml.cli import build_cli
+    from lightning_dml.protocol.launch import fit_command
+
+    with fit_command([*(f"--config={c}" for c in configs), "--trainer.logger=false", *extra]):
+        cli = build_cli(run=False)
+    return cli.datamodule
+
+
+def _test_images(datamodule: Any, indices: torch.Tensor | Any) -> tuple[Any, list[str] | None]:
+    """(image source, class names) of the data module's test split, checked against the evaluated indices."""
+    datamodule.setup("test")
+    dataset = datamodule.test_dataset
+    largest = int(max(indices)) if len(indices) else -1
+    if largest >= len(dataset):
+        raise ReportError(
+            f"the predictions name item {largest}, but the config's test split has {len(dataset)} items: give the "
+            "config the predictions were made with"
+        )
+    names = getattr(datamodule, "class_names", None)
+    return image_source(dataset=dataset), (list(names) if names else None)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"
+
+
+def _load_predictions(path: Path) -> dict[str, Any]:
+    from lightning_dml.callbacks.predictions import load_predictions
+
+    if not path.is_file():
+        raise ReportError(f"--predictions {path}: no such file (lightning-dml predict writes <log_dir>/predictions.pt)")
+    try:
+        return load_predictions(path)
+    except (ValueError, OSError, RuntimeError, EOFError, TypeError, pickle.UnpicklingError) as error:
+        raise ReportError(
+            f"--predictions {path}: not a predictions file of lightning-dml predict ({_first_line(error)})"
+        ) from None
+
+
+def _load_results(path: Path) -> RetrievalResults:
+    if not path.is_file():
+        raise ReportError(f"--results {path}: no such file (a report folder holds results.npz)")
+    try:
+        return RetrievalResults.load(path)
+    except (ValueError, OSError, KeyError, TypeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile) as error:
+        raise ReportError(
+            f"--results {path}: not a results file of lightning-dml report ({_first_line(error)})"
+        ) from None
+
+
+def main(argv: Sequence[str]) -> Report | None:
+    """``lightning-dml report ...``; returns what was written (None in the other processes of a DDP predict)."""
+    parser = build_parser()
+    options, extra = parser.parse_known_args(list(argv))
+    given = [name for name in ("ckpt_path", "predictions", "results") if getattr(options, name) is not None]
+    if len(given) != 1:
+        raise ReportError(
+            "give one source: --config CONFIG --ckpt_path MODEL.ckpt, --predictions FILE or --results FILE.npz"
+            + (f" (got {', '.join('--' + g for g in given)})" if given else "")
+        )
+    if extra and not options.config:
+        raise ReportError(f"unknown arguments {' '.join(extra)} (arguments for predict need --config)")
+    if options.ckpt_path is not None and not options.config:
+        raise ReportError("--ckpt_path needs the run's --config (the data module and model to embed the test split)")
+    if options.queries == "all":
+        queries = None
+    else:
+        try:
+            queries = int(options.queries)
+        except ValueError:
+            raise ReportError(f"--queries must be a number or 'all', got {options.queries!r}") from None
+        if queries < 0:
+            raise ReportError(f"--queries must be >= 0, got {queries}")
+    for name in ("per_page", "top_k", "thumb_size"):
+        if getattr(options, name) < 1:
+            raise ReportError(f"--{name} must be >= 1, got {getattr(options, name)}")
+    if options.bins < 0 or options.confused < 0 or min(options.recall_at) < 1:
+        raise ReportError("--bins and --confused must be >= 0 and every --recall_at K >= 1")
+    if options.thumb_size < 8:
+        raise ReportError(f"--thumb_size must be >= 8 pixels, got {options.thumb_size}")
+    out = options.out
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"--out {out} is a file, not a folder")
+
+    start = time.perf_counter()
+    images = class_names = embeddings = indices = None
+    source: dict[str, Any] = {}
+    if options.results is not None:
+        results = _load_results(options.results)
+        source["results"] = str(options.results)
+        if options.config:
+            images, class_names = _test_images(_datamodule(options.config, extra), results.index)
+        elif results.paths is not None:
+            images = image_source(paths=results.paths, indices=results.index)
+    else:
+        if options.ckpt_path is not None:
+            data, datamodule, rank_zero = _predict(options.config, options.ckpt_path, out, extra)
+            if not rank_zero:
+                return None
+            source["checkpoint"] = str(options.ckpt_path)
+        else:
+            data = _load_predictions(options.predictions)
+            datamodule = _datamodule(options.config, extra) if options.config else None
+            source["predictions"] = str(options.predictions)
+        if data["embeddings"].shape[0] == 0:
+            raise ReportError("the predictions hold no item (an empty test split?)")
+        if datamodule is not None:
+            images, class_names = _test_images(datamodule, data["indices"])
+            data = {**data, "class_names": data.get("class_names") or class_names}
+        elif data.get("paths") is not None:
+            images = image_source(paths=data["paths"], indices=data["indices"].tolist())
+        embeddings, indices = data["embeddings"], data["indices"]
+        results = RetrievalResults.from_predictions(
+            data, top_k=options.top_k, metric=options.metric, pair_histogram_bins=options.bins
+        )
+    if class_names and results.class_names is None:
+        results.class_names = [str(c) for c in class_names]
+    if options.config:
+        source["config"] = ", ".join(options.config)
+    report = write_report(
+        results, out, images=images, queries=queries, by=options.by, per_page=options.per_page,
+        recall_at=options.recall_at, confused=options.confused, embeddings=embeddings, embedding_indices=indices,
+        thumb_size=options.thumb_size, thumb_format=options.thumb_format,
+        title=options.title or f"Retrieval report: {out.resolve().name}", source=source,
+    )
+    seconds = time.perf_counter() - start
+    metrics = ", ".join(f"{k} {100 * v:.2f}" for k, v in report.metrics.items())
+    print(f"lightning-dml report: {report.index} ({report.queries} queries on {report.pages} pages, "
+          f"{report.thumbnails_written} thumbnails written, {report.thumbnails_reused} reused; {seconds:.1f} s)\n"
+          f"  {metrics}")
+    return report
