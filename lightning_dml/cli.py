@@ -1,5 +1,5 @@
 """The ``lightning-dml`` command: a ``LightningCLI`` with ``fit``, ``validate``, ``test`` and ``predict``, and the
-library's own commands (:data:`COMMANDS`: ``cv``, ``sweep``).
+library's own commands (:data:`COMMANDS`: ``cv``, ``sweep``, ``report``, ``index``, ``search``, ``serve``).
 
 Configs name every class by ``class_path``/``init_args`` (backbone, loss, data module, logger), so jsonargparse
 validates every key, including the loss's own arguments::
@@ -65,6 +65,22 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": (
         "lightning_dml.protocol.sweep",
         "hyper-parameter search (optuna) on the mean validation MAP@R over class-disjoint folds",
+    ),
+    "report": (
+        "lightning_dml.report.command",
+        "retrieval report (DIR/index.html, offline): metrics, worst queries with their top-k, confused classes",
+    ),
+    "index": (
+        "lightning_dml.index.command",
+        "embedding index (faiss) of an image gallery: index build|add|evaluate|status",
+    ),
+    "search": (
+        "lightning_dml.index.search",
+        "top-k gallery items of query images from an index folder (JSON Lines or CSV)",
+    ),
+    "serve": (
+        "lightning_dml.index.server",
+        "HTTP search service (LitServe) over an index folder: POST /search with an image, GET /health",
     ),
 }
 

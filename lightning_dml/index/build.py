@@ -1,0 +1,137 @@
+"""An index from a checkpoint and an image gallery (:func:`build_index`), and adding a gallery to a saved index
+(:func:`add_gallery`): what ``lightning-dml index build`` and ``index add`` run.
+
+The gallery is embedded by :func:`~lightning_dml.index.embed.predict_embeddings` (``Trainer.predict``: devices,
+DDP, workers, progress bar as ``lightning-dml predict``), with the evaluation transform of the config's data module
+and the backbone's input spec, and the embedding model is exported (``torch.export``) into the index folder, so
+adding and searching later need neither the config nor the checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_dml.index.embed import embedding_metric, load_checkpoint_model, predict_embeddings, preprocessing
+from lightning_dml.index.gallery import read_items
+from lightning_dml.index.index import MODEL, EmbeddingIndex, IndexTable, _stat
+from lightning_dml.index.manifest import IndexFolderError
+
+__all__ = ["add_gallery", "build_index"]
+
+
+def build_index(
+    config: str | os.PathLike,
+    ckpt_path: str | os.PathLike,
+    gallery: str | os.PathLike,
+    kind: str = "flat",
+    out: str | os.PathLike | None = None,
+    *,
+    split: str | None = None,
+    shards: int = 1,
+    accelerator: str = "auto",
+    devices: int | str = 1,
+    strategy: str = "auto",
+    num_workers: int = 0,
+    batch_size: int = 128,
+    progress: bool = True,
+    **kind_options: Any,
+) -> EmbeddingIndex | None:
+    """Embed ``gallery`` (a folder of class folders or a table, :mod:`lightning_dml.index.gallery`) with the
+    model of ``config`` and ``ckpt_path``, index it (``kind``, ``kind_options``, ``shards``) and, with ``out``,
+    save the folder with the exported model. Returns the index on rank 0, ``None`` on the other DDP ranks.
+    """
+    items = read_items(gallery, split)
+    module, datamodule, record = load_checkpoint_model(config, ckpt_path)
+    spec, preprocess = preprocessing(module, datamodule)
+    metric = embedding_metric(module)
+    embeddings = predict_embeddings(
+        module, items.paths, spec, preprocess, accelerator=accelerator, devices=devices, strategy=strategy,
+        num_workers=num_workers, batch_size=batch_size, progress=progress,
+    )
+    if embeddings is None:
+        return None
+    stats = [_stat(str(p)) for p in items.paths]
+    table = IndexTable(range(len(items)), [str(p) for p in items.paths], items.labels,
+                       [s for s, _ in stats], [m for _, m in stats])
+    manifest = {
+        "checkpoint": record,
+        "input_spec": dataclasses.asdict(spec),
+        "preprocess": preprocess,
+        "model": MODEL,
+        "gallery": [str(Path(gallery).expanduser().absolute())],
+    }
+    index = EmbeddingIndex.build(embeddings, table, kind=kind, metric=metric, manifest=manifest, shards=shards,
+                                 **kind_options)
+    if out is not None:
+        out = Path(out)
+        _export(module, out, spec, preprocess)
+        index.save(out)
+    return index
+
+
+def _export(module: Any, out: Path, spec: Any, preprocess: dict[str, Any]) -> None:
+    """The embedding model as ``out/embedding_exported.pt2`` (written elsewhere, then moved: never half-written)."""
+    from lightning_dml.export import export_embedding_model
+
+    out.mkdir(parents=True, exist_ok=True)
+    example = torch.zeros(2, spec.channels, preprocess["crop_size"], preprocess["crop_size"])
+    log = logging.getLogger("torch.export.pt2_archive._package")  # warns that the temporary name lacks .pt2
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        with tempfile.TemporaryDirectory(dir=out, prefix=".export-") as tmp:
+            written = export_embedding_model(module, tmp, example, formats=("torch_export",))
+            os.replace(written["torch_export"], out / MODEL)
+    finally:
+        log.setLevel(level)
+
+
+def add_gallery(
+    index_dir: str | os.PathLike,
+    gallery: str | os.PathLike,
+    *,
+    split: str | None = None,
+    batch_size: int = 64,
+    device: str = "cpu",
+) -> dict[str, int]:
+    """Bring a saved index up to date with ``gallery``: its images not yet indexed are embedded (the exported
+    model) and added; indexed images of it whose file changed (size, modification time) are re-embedded under a
+    new id; the others are kept. Saves the folder and returns ``{"added", "updated", "unchanged"}``."""
+    index = EmbeddingIndex.load(index_dir, device=device)
+    if index.manifest.model is None:
+        raise IndexFolderError(f"index {index_dir} has no exported model (built from tensors): use "
+                               "EmbeddingIndex.add with embeddings")
+    items = read_items(gallery, split)
+    known = {p: r for r, p in enumerate(index.table.paths)}
+    new_rows, stale_ids = [], []
+    unchanged = 0
+    for i, path in enumerate(items.paths):
+        row = known.get(str(path))
+        if row is None:
+            new_rows.append(i)
+        elif _stat(str(path)) != (index.table.sizes[row], index.table.mtimes[row]) or \
+                items.labels[i] != index.table.labels[row]:
+            stale_ids.append(int(index.table.ids[row]))
+            new_rows.append(i)
+        else:
+            unchanged += 1
+    if stale_ids:
+        index.remove(stale_ids)
+    if new_rows:
+        embeddings = torch.cat([
+            index.embed_images([items.paths[i] for i in new_rows[s : s + batch_size]])
+            for s in range(0, len(new_rows), batch_size)
+        ])
+        index.add(embeddings, [str(items.paths[i]) for i in new_rows], [items.labels[i] for i in new_rows])
+    source = str(Path(gallery).expanduser().absolute())
+    if source not in index.manifest.gallery:
+        index.manifest.gallery.append(source)
+    index.save(index_dir)
+    return {"added": len(new_rows) - len(stale_ids), "updated": len(stale_ids), "unchanged": unchanged}

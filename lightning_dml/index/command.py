@@ -1,0 +1,200 @@
+"""``lightning-dml index``: build an index from a checkpoint and a gallery, add to it, evaluate it, check it.
+
+::
+
+    lightning-dml index build --config CONFIG --ckpt_path CKPT --gallery PATH --kind flat --out DIR
+        [--split SPLIT] [--shards N] [--nlist N] [--nprobe N] [--m N] [--nbits N] [--M N] [--ef_construction N]
+        [--ef_search N] [--accelerator auto] [--devices 1] [--strategy auto] [--num_workers 0] [--batch_size 128]
+        [--overwrite]
+    lightning-dml index add --index DIR --gallery PATH [--split SPLIT]
+    lightning-dml index evaluate --index DIR [--queries PATH] [--k 10] [--recall_at 1 2 4 8] [--rerank SPEC]
+        [--format table|json]
+    lightning-dml index status --index DIR
+
+``PATH``: an image folder of class folders or a CSV/Parquet table (:mod:`lightning_dml.index.gallery`); ``--queries``
+also takes a ``lightning-dml predict`` file (``predictions.pt``: its checkpoint must be the index's). ``build`` runs
+Lightning's predict loop (``--devices 2 --strategy ddp``: every process embeds its share, rank 0 writes the folder).
+``status`` lists the gallery files that changed since they were indexed; ``add`` re-embeds them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from lightning_dml.errors import UserInputError
+from lightning_dml.index.manifest import MANIFEST
+
+__all__ = ["build_parser", "main"]
+
+
+class IndexCommandError(UserInputError, ValueError):
+    """A bad option of ``lightning-dml index``."""
+
+
+def _devices(text: str) -> int | str:
+    return int(text) if text.lstrip("-").isdigit() else text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-dml index", description="Build, extend, evaluate and check an "
+                                     "embedding index (faiss) of an image gallery. See docs/serving.md.")
+    sub = parser.add_subparsers(dest="action", required=True, metavar="{build,add,evaluate,status}")
+
+    build = sub.add_parser("build", help="embed a gallery with a checkpoint and index it")
+    build.add_argument("--config", required=True, help="the run's config (lightning-dml saves config.yaml)")
+    build.add_argument("--ckpt_path", required=True, help="the checkpoint whose model embeds the gallery")
+    build.add_argument("--gallery", required=True, help="an image folder of class folders, or a CSV/Parquet table")
+    build.add_argument("--kind", default="flat", help="flat (exact), ivf_flat, ivf_pq or hnsw (default flat)")
+    build.add_argument("--out", required=True, help="the index folder to write")
+    build.add_argument("--split", default=None, help="a table's rows of this split only (its 'split' column)")
+    build.add_argument("--shards", type=int, default=1, help="faiss files the items are dealt to (default 1)")
+    for name in ("nlist", "nprobe", "m", "nbits", "M", "ef_construction", "ef_search"):
+        build.add_argument(f"--{name}", type=int, default=None,
+                           help=f"option {name} of the index kind (docs/serving.md; default from the data)")
+    build.add_argument("--accelerator", default="auto", help="Trainer accelerator of the embedding (default auto)")
+    build.add_argument("--devices", type=_devices, default=1, help="Trainer devices (default 1)")
+    build.add_argument("--strategy", default="auto", help="Trainer strategy (ddp for several devices)")
+    build.add_argument("--num_workers", type=int, default=0, help="DataLoader workers (default 0)")
+    build.add_argument("--batch_size", type=int, default=128, help="images per forward pass (default 128)")
+    build.add_argument("--progress_bar", type=lambda t: t.lower() in ("1", "true", "yes"), default=True,
+                       help="show the progress bar (default true)")
+    build.add_argument("--overwrite", action="store_true", help="replace an existing index folder")
+
+    add = sub.add_parser("add", help="add a gallery's new or changed images to an index")
+    add.add_argument("--index", required=True, help="the index folder")
+    add.add_argument("--gallery", required=True, help="an image folder of class folders, or a CSV/Parquet table")
+    add.add_argument("--split", default=None, help="a table's rows of this split only")
+    add.add_argument("--device", default="cpu", help="cpu, cuda or auto: where the exported model runs")
+
+    evaluate = sub.add_parser("evaluate",
+                              help="neighbour recall and Recall@K / MAP@R of the index against exact search")
+    evaluate.add_argument("--index", required=True, help="the index folder")
+    evaluate.add_argument("--queries", default=None,
+                          help="labelled queries: an image folder of class folders, a table, or a predictions.pt "
+                               "file; default: the gallery all-vs-all (leave-one-out)")
+    evaluate.add_argument("--split", default=None, help="a query table's rows of this split only")
+    evaluate.add_argument("--k", type=int, default=10, help="k of the neighbour recall (default 10)")
+    evaluate.add_argument("--recall_at", type=int, nargs="+", default=[1, 2, 4, 8], help="the K of Recall@K")
+    evaluate.add_argument("--rerank", default=None, help="also the exact ranking re-ranked (see lightning-dml "
+                          "search --help)")
+    evaluate.add_argument("--format", choices=("table", "json"), default="table", help="output (default table)")
+    evaluate.add_argument("--device", default="cpu", help="where the exported model embeds the queries")
+
+    status = sub.add_parser("status", help="the index's manifest and the gallery files changed since indexing")
+    status.add_argument("--index", required=True, help="the index folder")
+    return parser
+
+
+def _kind_options(args: argparse.Namespace) -> dict[str, int]:
+    names = ("nlist", "nprobe", "m", "nbits", "M", "ef_construction", "ef_search")
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def _build(args: argparse.Namespace) -> None:
+    from lightning_dml.index.build import build_index
+    from lightning_dml.index.kinds import check_kind
+
+    check_kind(args.kind, _kind_options(args))  # before any work
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
+        what = "an index" if (out / MANIFEST).is_file() else ("a file" if not out.is_dir() else "a non-empty folder")
+        raise IndexCommandError(f"--out {out} is {what}; give a new folder, or --overwrite to replace it")
+    if out.exists() and not out.is_dir():
+        raise IndexCommandError(f"--out {out} is a file, not a folder")
+    if args.batch_size < 1 or args.num_workers < 0 or args.shards < 1:
+        raise IndexCommandError("--batch_size and --shards must be >= 1, --num_workers >= 0")
+    index = build_index(
+        args.config, args.ckpt_path, args.gallery, args.kind, out, split=args.split, shards=args.shards,
+        accelerator=args.accelerator, devices=args.devices, strategy=args.strategy, num_workers=args.num_workers,
+        batch_size=args.batch_size, progress=args.progress_bar, **_kind_options(args),
+    )
+    if index is not None:
+        print(f"lightning-dml index: {len(index)} items indexed ({index.kind}, {index.metric}, size {index.dim}) "
+              f"in {out}")
+
+
+def _add(args: argparse.Namespace) -> None:
+    from lightning_dml.index.build import add_gallery
+
+    counts = add_gallery(args.index, args.gallery, split=args.split, device=args.device)
+    print(f"lightning-dml index: {counts['added']} added, {counts['updated']} re-embedded (changed files), "
+          f"{counts['unchanged']} unchanged in {args.index}")
+
+
+def load_queries(index, source: str, split: str | None = None):
+    """``(embeddings [Q, D], labels, names)`` of ``--queries``: a predictions file (``.pt``, its checkpoint checked
+    against the index's) or images embedded with the index's exported model."""
+    import torch
+
+    if source.endswith(".pt"):
+        from lightning_dml.callbacks.predictions import load_predictions
+
+        try:
+            data = load_predictions(source)
+        except ValueError as error:
+            raise IndexCommandError(str(error)) from None
+        index.check_model((data.get("checkpoint") or {}).get("sha256"), data["embeddings"].shape[1],
+                          what=f"the queries of {source}")
+        names = data.get("class_names")
+        labels = data["labels"]
+        if labels.ndim != 1:
+            raise IndexCommandError(f"{source}: label sets are not supported by index evaluate")
+        labels = [names[int(v)] if names else str(int(v)) for v in labels.tolist()]
+        paths = data.get("paths") or [f"{source}[{i}]" for i in range(len(labels))]
+        return data["embeddings"].float(), labels, paths
+    from lightning_dml.index.gallery import read_items
+
+    items = read_items(source, split)
+    with torch.no_grad():
+        embeddings = index.embed_images(items.paths)
+    return embeddings, items.labels, items.names
+
+
+def _evaluate(args: argparse.Namespace) -> None:
+    import warnings
+
+    from lightning_dml.index.evaluate import evaluate_index, format_table
+    from lightning_dml.index.index import EmbeddingIndex, warn_changed
+
+    if args.k < 1 or any(v < 1 for v in args.recall_at):
+        raise IndexCommandError("--k and --recall_at values must be >= 1")
+    if args.rerank:
+        from lightning_dml.index.rerank import parse_rerank
+
+        parse_rerank(args.rerank)  # a bad option is reported before any work
+    index = EmbeddingIndex.load(args.index, device=args.device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warn_changed(index)
+    queries = labels = None
+    if args.queries is not None:
+        queries, labels, _ = load_queries(index, args.queries, args.split)
+    result = evaluate_index(index, queries, labels, k=args.k, recall_at=args.recall_at, rerank=args.rerank)
+    if args.format == "json":
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_table(result))
+
+
+def _status(args: argparse.Namespace) -> None:
+    from lightning_dml.index.index import EmbeddingIndex
+
+    index = EmbeddingIndex.load(args.index)
+    m = index.manifest
+    ckpt = m.checkpoint or {}
+    print(f"{index!r}\ncheckpoint: {ckpt.get('path')} (sha256 {ckpt.get('sha256')})\noptions: {m.options}\n"
+          f"written by lightning-dml {m.library}, faiss {m.faiss}, torch {m.torch}")
+    changed = index.changed_files()
+    print(f"changed gallery files: {len(changed)}")
+    for i, path, what in changed:
+        print(f"  {what}: {path} (id {i})")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``lightning-dml index ACTION ...`` (see the module docstring)."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    {"build": _build, "add": _add, "evaluate": _evaluate, "status": _status}[args.action](args)

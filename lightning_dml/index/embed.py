@@ -1,0 +1,208 @@
+"""Embedding images for an index: a checkpoint through Lightning's predict loop (gallery), the exported model
+(queries).
+
+* :func:`load_checkpoint_model`: the ``DMLModule`` of a run's config with a checkpoint's weights (read safely,
+  :func:`~lightning_dml.checkpoints.read_checkpoint`; another architecture or width is one
+  :class:`~lightning_dml.checkpoints.CheckpointMismatchError`), and the evaluation preprocessing of the config's
+  data module (:func:`preprocessing`: the backbone's :class:`~lightning_dml.models.input_spec.InputSpec`, the crop
+  and resize sizes).
+* :func:`predict_embeddings`: the raw embeddings of image files by ``Trainer.predict`` (devices, DDP, workers and
+  the progress bar as ``lightning-dml predict`` has them), gathered by
+  :class:`~lightning_dml.callbacks.PredictionWriter` (rank 0 returns them, the other ranks ``None``).
+* :class:`ImageEmbedder`: the exported model (``torch.export``, :mod:`lightning_dml.export`) and the same
+  preprocessing, batched, on a device: what search uses, with no training config.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from PIL import Image
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from lightning_dml.checkpoints import CheckpointMismatchError, checkpoint_record, read_checkpoint
+from lightning_dml.data.image_list import ImageListDataset, collate_skipping, load_image
+from lightning_dml.data.transforms import default_resize_size, eval_transform
+from lightning_dml.errors import UserInputError
+from lightning_dml.models.input_spec import InputSpec
+
+__all__ = [
+    "ImageEmbedder",
+    "embedding_metric",
+    "load_checkpoint_model",
+    "predict_embeddings",
+    "preprocessing",
+]
+
+
+def embedding_metric(module: Any) -> str:
+    """The metric the model is evaluated with (its test metrics' ``metric``: ``cosine`` or ``euclidean``)."""
+    metrics = getattr(module, "test_metrics", None)
+    return str(getattr(metrics, "metric", "cosine"))
+
+
+def load_checkpoint_model(config: str | os.PathLike, ckpt_path: str | os.PathLike) -> tuple[Any, Any, dict | None]:
+    """``(module, datamodule, checkpoint record)``: the config's model (in eval mode) with the checkpoint's weights,
+    and its data module with the backbone's input spec adopted (not set up: no dataset is read)."""
+    import yaml
+
+    from lightning_dml.cli import build_cli
+
+    config = Path(config)
+    if not config.is_file():
+        raise UserInputError(f"--config {config} does not exist")
+    try:
+        cfg = yaml.safe_load(config.read_text())
+    except yaml.YAMLError as error:
+        raise UserInputError(f"--config {config} is not YAML: {error}") from None
+    if not isinstance(cfg, dict) or "model" not in cfg or "data" not in cfg:
+        raise UserInputError(f"--config {config} is not a lightning-dml config (it needs `model` and `data` sections)")
+    checkpoint = read_checkpoint(ckpt_path, what="--ckpt_path")
+    cfg = copy.deepcopy(cfg)
+    cfg.pop("ckpt_path", None)
+    backbone_args = (cfg["model"].get("backbone") or {}).get("init_args") if isinstance(cfg["model"], dict) else None
+    if isinstance(backbone_args, dict) and "pretrained" in backbone_args:
+        backbone_args["pretrained"] = False  # the checkpoint holds the weights: no download
+    cfg["trainer"] = {"logger": False, "enable_checkpointing": False, "accelerator": "cpu", "devices": 1}
+    cfg["seed_everything"] = False  # nothing random: no "seed set" lines
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")  # argv is `index build ...`
+        cli = build_cli(["--config", yaml.safe_dump(cfg)], run=False)
+    module = cli.model
+    hparams = checkpoint.get("hyper_parameters") or {}
+    if hparams.get("loss_sizes"):
+        module._apply_loss_sizes(hparams["loss_sizes"])  # noqa: SLF001 - the library's own module
+    missing, unexpected = [], []
+    try:
+        result = module.load_state_dict(checkpoint["state_dict"], strict=False)
+        missing, unexpected = list(result.missing_keys), list(result.unexpected_keys)
+    except RuntimeError as error:
+        first = str(error).split("\n\t", 2)[1] if "\n\t" in str(error) else str(error)
+        raise CheckpointMismatchError(
+            f"--ckpt_path {ckpt_path} does not fit the model of --config {config}: {first.strip()} (give the config "
+            "the run was trained with: lightning-dml saves it as config.yaml beside the logs)"
+        ) from None
+    model_keys = [k for k in missing if k.startswith(("backbone.", "head."))]
+    if model_keys or [k for k in unexpected if k.startswith(("backbone.", "head."))]:
+        raise CheckpointMismatchError(
+            f"--ckpt_path {ckpt_path} does not fit the model of --config {config}: missing weights "
+            f"{model_keys[:3]}, unexpected weights {unexpected[:3]}"
+        )
+    module.eval()
+    datamodule = cli.datamodule
+    datamodule.adopt_input_spec(module)
+    return module, datamodule, checkpoint_record(ckpt_path)
+
+
+def preprocessing(module: Any, datamodule: Any) -> tuple[InputSpec, dict[str, Any]]:
+    """The input spec (the backbone's, else the data module's) and ``{"crop_size", "resize_size", "mode"}`` of the
+    data module's evaluation transform (resize the shorter side, centre crop, convert to the spec)."""
+    from lightning_dml.models.input_spec import TORCHVISION_IMAGENET, backbone_input_spec
+
+    spec = backbone_input_spec(module) or getattr(datamodule, "input_spec", None) or TORCHVISION_IMAGENET
+    crop = int(getattr(datamodule, "image_size", None) or spec.crop_size)
+    resize = getattr(datamodule, "resize_size", None)
+    resize = int(resize) if isinstance(resize, int) else default_resize_size(crop, spec)
+    return spec, {"crop_size": crop, "resize_size": resize, "mode": "L" if spec.color == "L" else "RGB"}
+
+
+def predict_embeddings(
+    module: Any,
+    paths: Sequence[Path],
+    spec: InputSpec,
+    preprocess: dict[str, Any],
+    *,
+    accelerator: str = "auto",
+    devices: int | str = 1,
+    strategy: str = "auto",
+    num_workers: int = 0,
+    batch_size: int = 128,
+    progress: bool = True,
+    callbacks: Sequence[Any] = (),
+) -> Tensor | None:
+    """Raw embeddings ``[N, D]`` (float32, CPU) of ``paths`` in order, computed by ``Trainer.predict``.
+
+    Under DDP every process embeds its share; rank 0 returns all of them, the other ranks ``None``. A file that
+    cannot be decoded is one :class:`~lightning_dml.data.image_list.CorruptImageError` naming it. ``callbacks``:
+    more Lightning callbacks of the predict run (e.g. a timer).
+    """
+    import pytorch_lightning as pl
+
+    from lightning_dml.callbacks.predictions import PredictionWriter
+    from lightning_dml.cli import quiet_lightning_tips
+
+    quiet_lightning_tips()
+    transform = eval_transform(spec, preprocess["crop_size"], preprocess["resize_size"])
+    dataset = ImageListDataset(
+        list(paths), torch.arange(len(paths)), transform, mode=preprocess["mode"], split="gallery", evaluation=True
+    )
+    loader = DataLoader(
+        dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers, collate_fn=collate_skipping,
+        persistent_workers=False,
+    )
+    with tempfile.TemporaryDirectory(prefix="lightning-dml-index-") as tmp:
+        writer = PredictionWriter(str(Path(tmp) / "gallery.pt"))
+        trainer = pl.Trainer(
+            accelerator=accelerator, devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
+            enable_model_summary=False, enable_progress_bar=progress, callbacks=[writer, *callbacks],
+            inference_mode=True, default_root_dir=tmp,
+        )
+        trainer.predict(module, dataloaders=loader, return_predictions=False)
+        if not trainer.is_global_zero:
+            return None
+        data = torch.load(writer.written_path, map_location="cpu", weights_only=True)
+    if data["indices"].numel() != len(paths) or not torch.equal(data["indices"], torch.arange(len(paths))):
+        raise RuntimeError(f"predict returned {data['indices'].numel()} of {len(paths)} gallery items")
+    return data["embeddings"].float()
+
+
+class ImageEmbedder:
+    """Embeds images with an exported model (a ``torch.export`` ``.pt2`` file) and the index's preprocessing.
+
+    ``embedder(images)`` takes image paths or PIL images and returns raw embeddings ``[N, D]`` on ``device``,
+    computed in batches of ``batch_size`` (eval-mode models embed each image independently of its batch). An
+    unreadable file is a :class:`~lightning_dml.errors.UserInputError` naming it.
+    """
+
+    def __init__(self, model_path: str | os.PathLike, spec: InputSpec, preprocess: dict[str, Any],
+                 device: str | torch.device = "cpu", batch_size: int = 64) -> None:
+        from lightning_dml.export import load_embedding_model
+
+        self.device = torch.device(device)
+        self.model = load_embedding_model(model_path)
+        if self.device.type != "cpu":
+            self.model = self.model.to(self.device)
+        self.spec = spec
+        self.mode = preprocess["mode"]
+        self.transform = eval_transform(spec, preprocess["crop_size"], preprocess["resize_size"])
+        self.batch_size = int(batch_size)
+
+    def _pixels(self, image: str | os.PathLike | Image.Image) -> Tensor:
+        if isinstance(image, Image.Image):
+            return self.transform(image.convert(self.mode) if image.mode != self.mode else image)
+        try:
+            return self.transform(load_image(Path(image), self.mode))
+        except FileNotFoundError:
+            raise UserInputError(f"query image {image} does not exist") from None
+        except Exception as error:  # noqa: BLE001 - any decoder failure names the file
+            detail = " ".join(f"{type(error).__name__}: {error}".split())
+            raise UserInputError(f"query image {image} cannot be read as an image ({detail})") from None
+
+    @torch.no_grad()
+    def __call__(self, images: Sequence[str | os.PathLike | Image.Image]) -> Tensor:
+        images = list(images)
+        if not images:
+            raise ValueError("embed_images: no image given")
+        out = []
+        for start in range(0, len(images), self.batch_size):
+            batch = torch.stack([self._pixels(image) for image in images[start : start + self.batch_size]])
+            out.append(self.model(batch.to(self.device, non_blocking=True)).float())
+        return torch.cat(out)

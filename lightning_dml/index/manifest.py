@@ -1,0 +1,117 @@
+"""The manifest of an index folder (``manifest.json``): what the index holds and which model made it.
+
+Written by :meth:`~lightning_dml.index.EmbeddingIndex.save`, read by :meth:`~lightning_dml.index.EmbeddingIndex.load`
+(every problem one :class:`IndexFolderError` naming the file and the key). Keys:
+
+* ``format``: the folder layout version (:data:`FORMAT`); ``library``, ``faiss``, ``torch``: the versions that wrote it;
+* ``kind`` (``flat``, ``ivf_flat``, ``ivf_pq``, ``hnsw``), ``options`` (the kind's settings, e.g. ``nlist``,
+  ``nprobe``), ``shards`` (number of faiss files), ``metric`` (``cosine``: vectors L2-normalised, inner product;
+  ``euclidean``: raw vectors, squared L2 distance), ``embedding_dim``, ``count``, ``next_id``;
+* ``checkpoint``: ``{"path", "sha256"}`` of the checkpoint the gallery was embedded with (``None``: built from
+  tensors without one), ``input_spec`` (the backbone's :class:`~lightning_dml.models.input_spec.InputSpec` as a
+  dict) and ``preprocess`` (``crop_size``, ``resize_size``, ``mode``: the evaluation transform of the run's data
+  module), ``model`` (file name of the exported model beside it, ``None`` without one);
+* ``gallery``: the gallery sources added (paths as given, absolute); each file's size and modification time are in
+  the table (``size``, ``mtime_ns`` columns), which :meth:`~lightning_dml.index.EmbeddingIndex.changed_files` compares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lightning_dml.errors import CorruptFileError, MissingFileError, UserInputError
+
+__all__ = ["FORMAT", "MANIFEST", "IndexFolderError", "IndexMismatchError", "Manifest", "versions"]
+
+#: The layout version of an index folder this code reads and writes
+FORMAT = 1
+MANIFEST = "manifest.json"
+
+
+class IndexFolderError(CorruptFileError):
+    """An index folder that cannot be used: missing, not an index, a file missing or inconsistent with the manifest."""
+
+
+class IndexMismatchError(UserInputError, ValueError):
+    """Embeddings of another model than the index's (another checkpoint sha256 or embedding size)."""
+
+
+def versions() -> dict[str, str]:
+    """``{"library", "faiss", "torch"}`` versions of this process."""
+    import torch
+
+    from lightning_dml import __version__
+    from lightning_dml.index.kinds import faiss_module
+
+    faiss = faiss_module()
+    return {"library": __version__, "faiss": faiss.__version__, "torch": torch.__version__}
+
+
+@dataclass
+class Manifest:
+    """The content of ``manifest.json`` (see the module docstring)."""
+
+    kind: str
+    metric: str
+    embedding_dim: int
+    options: dict[str, Any] = field(default_factory=dict)
+    shards: int = 1
+    count: int = 0
+    next_id: int = 0
+    checkpoint: dict[str, str] | None = None
+    input_spec: dict[str, Any] | None = None
+    preprocess: dict[str, Any] | None = None
+    model: str | None = None
+    gallery: list[str] = field(default_factory=list)
+    format: int = FORMAT
+    library: str = ""
+    faiss: str = ""
+    torch: str = ""
+
+    @property
+    def checkpoint_sha256(self) -> str | None:
+        return None if not self.checkpoint else self.checkpoint.get("sha256")
+
+    def to_json(self) -> str:
+        return json.dumps({**dataclasses.asdict(self), **versions()}, indent=2, sort_keys=True)
+
+    def write(self, folder: Path) -> None:
+        path = folder / MANIFEST
+        tmp = path.with_name(f".{MANIFEST}.{os.getpid()}.tmp")
+        tmp.write_text(self.to_json() + "\n")
+        os.replace(tmp, path)
+
+    @classmethod
+    def read(cls, folder: str | os.PathLike) -> "Manifest":
+        folder = Path(folder)
+        if not folder.exists():
+            raise MissingFileError(f"index folder {folder} does not exist (lightning-dml index build --out writes one)")
+        if not folder.is_dir():
+            raise IndexFolderError(f"index {folder} is a file; an index is a folder (lightning-dml index build --out)")
+        path = folder / MANIFEST
+        if not path.is_file():
+            raise IndexFolderError(f"{folder} is not an index folder: it has no {MANIFEST}")
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise IndexFolderError(f"{path} is not readable JSON ({error})") from None
+        if not isinstance(data, dict):
+            raise IndexFolderError(f"{path} must hold a JSON object, it holds {type(data).__name__}")
+        if data.get("format") != FORMAT:
+            raise IndexFolderError(
+                f"{path}: index format {data.get('format')!r}, this version of lightning-dml reads format {FORMAT}: "
+                "rebuild the index (lightning-dml index build)"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = [k for k in ("kind", "metric", "embedding_dim") if k not in data]
+        if missing:
+            raise IndexFolderError(f"{path}: missing key(s) {', '.join(missing)}")
+        manifest = cls(**{k: v for k, v in data.items() if k in names})
+        if manifest.metric not in ("cosine", "euclidean"):
+            raise IndexFolderError(f"{path}: metric {manifest.metric!r}, expected 'cosine' or 'euclidean'")
+        return manifest

@@ -1,0 +1,109 @@
+"""``lightning-dml search``: the top-k gallery items of query images, from an index folder.
+
+::
+
+    lightning-dml search --index DIR --k K [--format json|csv] [--threshold T] [--adaptive N] [--rerank SPEC]
+        [--batch_size 64] [--device cpu] IMAGE_OR_FOLDER_OR_CSV...
+
+Queries: image files, folders (every image under them, sorted) and CSV/Parquet tables (their ``path`` column),
+in the order given (:mod:`lightning_dml.index.gallery`); embedded with the index's exported model and preprocessing
+(no training config), searched with :meth:`~lightning_dml.index.EmbeddingIndex.search`, optionally re-ranked
+(``--rerank``, :func:`lightning_dml.index.rerank.parse_rerank`) and cut (``--threshold`` / ``--adaptive``,
+:class:`lightning_dml.index.cut.SearchCut`: an empty ``results`` list means no match).
+
+Output on stdout, one line per query:
+
+* ``--format json`` (default): JSON Lines, ``{"query": QUERY, "results": [{"id", "path", "label", "score"}, ...]}``
+  best first (``query``: the path as given on the command line or in the table);
+* ``--format csv``: a header ``query,rank,id,path,label,score`` and one row per result (rank from 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from lightning_dml.errors import UserInputError
+
+__all__ = ["build_parser", "main", "search_images"]
+
+#: most results a query may ask for
+MAX_K = 10_000
+
+
+class SearchOptionError(UserInputError, ValueError):
+    """A bad option of ``lightning-dml search``."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lightning-dml search", description="Top-k gallery items of query images from "
+                                "an index folder (lightning-dml index build). See docs/serving.md.")
+    p.add_argument("--index", required=True, help="the index folder")
+    p.add_argument("--k", type=int, default=10, help="results per query (default 10)")
+    p.add_argument("--format", choices=("json", "csv"), default="json", help="JSON Lines (default) or CSV")
+    p.add_argument("--threshold", default=None, help="keep results with a score >= T (a similarity)")
+    p.add_argument("--adaptive", default=None,
+                   help="cut each list at its first gap larger than N times its mean gap (open-metric-learning)")
+    p.add_argument("--rerank", default=None, help="re-ranking: kreciprocal[:k1=20,k2=6,lambda=0.3,candidates=100], "
+                   "aqe[:alpha=3,n=2] or dba[:alpha=3,n=2,candidates=100]")
+    p.add_argument("--batch_size", type=int, default=64, help="query images embedded together (default 64)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
+    p.add_argument("--split", default=None, help="a query table's rows of this split only")
+    p.add_argument("queries", nargs="+", metavar="IMAGE_OR_FOLDER_OR_CSV", help="query images, folders or tables")
+    return p
+
+
+def search_images(index, images: Sequence, k: int, rerank: str | None = None, cut=None,
+                  batch_size: int = 64) -> list[list[dict]]:
+    """Result lists of images (paths or PIL images): embedded in batches of ``batch_size``, searched, re-ranked
+    (``rerank``: a ``--rerank`` text), cut (``cut``: a :class:`~lightning_dml.index.cut.SearchCut`); one list of
+    ``{"id", "path", "label", "score"}`` per image, best first. ``lightning-dml serve`` answers with it too."""
+    from lightning_dml.index.rerank import parse_rerank, rerank_search
+
+    reranker = parse_rerank(rerank)
+    out: list[list[dict]] = []
+    for start in range(0, len(images), batch_size):
+        with torch.no_grad():
+            queries = index.embed_images(images[start : start + batch_size])
+        scores, ids = rerank_search(index, queries, k, reranker)
+        if cut:
+            scores, ids = cut.apply(scores, ids)
+        out.extend(index.results(scores, ids))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``lightning-dml search ...`` (module docstring)."""
+    from lightning_dml.index.cut import SearchCut
+    from lightning_dml.index.gallery import read_sources
+    from lightning_dml.index.index import EmbeddingIndex
+    from lightning_dml.index.rerank import parse_rerank
+
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if not 1 <= args.k <= MAX_K:
+        raise SearchOptionError(f"--k {args.k} outside 1..{MAX_K}")
+    if args.batch_size < 1:
+        raise SearchOptionError(f"--batch_size {args.batch_size} must be >= 1")
+    cut = SearchCut.parse(args.threshold, args.adaptive)
+    reranker = parse_rerank(args.rerank)
+    index = EmbeddingIndex.load(args.index, device=args.device)
+    if reranker is not None:
+        reranker.check_metric(index.metric)
+    items = read_sources(args.queries, args.split)
+    results = search_images(index, items.paths, args.k, args.rerank, cut, args.batch_size)
+    out = sys.stdout
+    if args.format == "json":
+        for name, found in zip(items.names, results):
+            out.write(json.dumps({"query": name, "results": found}, ensure_ascii=False) + "\n")
+    else:
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(["query", "rank", "id", "path", "label", "score"])
+        for name, found in zip(items.names, results):
+            for rank, row in enumerate(found, start=1):
+                writer.writerow([name, rank, row["id"], row["path"], row["label"], repr(row["score"])])
+    out.flush()
