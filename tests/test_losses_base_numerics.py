@@ -202,9 +202,6 @@ def test_malformed_label_sets_name_the_first_row_below_minus_one():
     check_label_sets(torch.tensor([[0, -1], [-1, -1], [2, 3]]), 3)  # padding, and an empty set, are valid
 
 
-@pytest.mark.xfail(strict=True, reason="bug: check_label_sets reports the smallest value of the whole tensor with "
-                   "the index of the first row below -1, which may be another row; suggested fix: report that row's "
-                   "own smallest value (or the row of the overall minimum)")
 def test_malformed_label_sets_name_a_value_of_the_row_they_name():
     from lightning_dml.losses.base import check_label_sets
 

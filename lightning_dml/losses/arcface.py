@@ -19,7 +19,8 @@ def additive_angular_margin(cos: Tensor, margin: float) -> Tensor:
     ``cos(theta + m) = cos(theta) cos(m) - sin(theta) sin(m)`` with ``sin(theta) = sqrt(max(1 - cos^2, 1e-12))``
     (finite gradient at ``cos = +-1``). Past ``theta = pi - m``, ``cos(theta + m)`` would increase again with
     ``theta``; the ArcFace code (and pytorch-metric-learning) continue with the linear ``cos(theta) - m sin(m)``,
-    which keeps the target logit decreasing in ``theta`` and meets ``cos(theta + m)`` at ``theta = pi - m``.
+    which keeps the target logit decreasing in ``theta``. It does not meet ``cos(theta + m)`` there: at ``theta =
+    pi - m`` the logit steps from ``-1`` to ``-cos(m) - m sin(m)`` (-1.117 at m = 0.5), as in the authors' code.
     """
     sin = torch.sqrt(torch.clamp(1.0 - cos * cos, min=1e-12))
     shifted = cos * math.cos(margin) - sin * math.sin(margin)

@@ -158,7 +158,8 @@ def check_label_sets(
     if labels.numel() and int(labels.min()) < -1:
         row = int((labels < -1).any(dim=1).nonzero()[0])
         raise ValueError(
-            f"{prefix}{name} (label sets) must hold class ids >= 0 padded with -1, found {int(labels.min())} in row {row}"
+            f"{prefix}{name} (label sets) must hold class ids >= 0 padded with -1, found {int(labels[row].min())} in "
+            f"row {row}"
         )
 
 
