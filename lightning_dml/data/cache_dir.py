@@ -17,9 +17,12 @@ file is rebuilt when next needed.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
+import tempfile
 from pathlib import Path
+from typing import Any
 
 #: Environment variable naming the cache root (default ``$XDG_CACHE_HOME/lightning-dml``, ``~/.cache/lightning-dml``).
 CACHE_ENV = "LIGHTNING_DML_CACHE"
@@ -44,4 +47,18 @@ def dataset_cache_dir(top: str | os.PathLike) -> Path:
     return cache_root() / "datasets" / f"{name[:64]}-{digest}"
 
 
-__all__ = ["CACHE_ENV", "cache_root", "dataset_cache_dir"]
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` as JSON to ``path`` atomically (a temporary file beside it, renamed into place): a reader of
+    a cache index sees the old or the new file, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as stream:
+            json.dump(data, stream, separators=(",", ":"))
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+__all__ = ["CACHE_ENV", "cache_root", "dataset_cache_dir", "write_json_atomic"]

@@ -42,7 +42,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 import time
 import uuid
 from collections import deque
@@ -59,7 +58,7 @@ from filelock import FileLock
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as F
 
-from lightning_dml.data.cache_dir import CACHE_ENV, dataset_cache_dir
+from lightning_dml.data.cache_dir import CACHE_ENV, dataset_cache_dir, write_json_atomic
 from lightning_dml.data.image_list import ImageListDataset, jpeg_decoder, load_image
 from lightning_dml.errors import NotEnoughDiskSpaceError, UserInputError
 
@@ -244,18 +243,6 @@ def _read_index(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write atomically (a temporary file renamed into place)."""
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            json.dump(data, stream, separators=(",", ":"))
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
 def _is_fresh(index: dict[str, Any] | None, folder: Path, expected: dict[str, Any], files: list[list[Any]]) -> bool:
     if index is None:
         return False
@@ -350,7 +337,7 @@ def open_decoded_cache(
         built = False
         if not _is_fresh(index, folder, expected, files):
             index = _build(paths, boxes, signatures, files, expected, folder, stem, progress, description, workers)
-            _write_json(index_file, index)
+            write_json_atomic(index_file, index)
             built = True
         for stale in folder.glob(f"{stem}.*.u8"):  # data files of earlier builds (none unless rebuilt or crashed)
             if stale.name != index["data_file"]:

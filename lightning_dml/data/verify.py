@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import warnings
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +33,7 @@ from pathlib import Path
 import PIL
 from PIL import Image
 
-from lightning_dml.data.cache_dir import CACHE_ENV, dataset_cache_dir
+from lightning_dml.data.cache_dir import CACHE_ENV, dataset_cache_dir, write_json_atomic
 from lightning_dml.data.image_list import to_8bit
 
 #: The levels of ``verify_images`` (see the module docstring).
@@ -94,16 +93,7 @@ def _read_cache(path: Path) -> dict[str, list[int]]:
 
 def _write_cache(path: Path, level: str, files: dict[str, list[int]]) -> None:
     """Write atomically (a temporary file renamed into place): a reader sees the old or the new file, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"format": CACHE_FORMAT, "level": level, "pillow": PIL.__version__, "files": files}
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            json.dump(data, stream, separators=(",", ":"))
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    write_json_atomic(path, {"format": CACHE_FORMAT, "level": level, "pillow": PIL.__version__, "files": files})
 
 
 def verify_image_files(
