@@ -15,6 +15,7 @@ from pytorch_lightning.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_dml.distributed import get_world_size
 from lightning_dml.metrics import RetrievalMetrics
+from lightning_dml.report.folder import ReportFolderError, check_report_folder
 from lightning_dml.report.grid import results_grid
 from lightning_dml.report.thumbnails import image_source
 from lightning_dml.report.writer import Report, label_text, write_report
@@ -49,12 +50,17 @@ class RetrievalReport(pl.Callback):
     * every :class:`~pytorch_lightning.loggers.TensorBoardLogger`: ``<stage>/worst_queries``, the same rows as one
       image (:func:`~lightning_dml.report.results_grid`).
 
+    The folder follows ``lightning-dml report``'s rule (:mod:`~lightning_dml.report.folder`): new, empty or an
+    earlier report, else (without ``overwrite``) a :class:`~lightning_dml.report.folder.ReportFolderError`, raised
+    at set-up for the test report, before any work, on every process; every file is written atomically.
+
     Args:
         folder: where the report goes (``{stage}`` in it is replaced), or None for the default above.
         every_validation: also at the end of each validation.
         queries, per_page, top_k, bins, thumb_size, thumb_format: as ``lightning-dml report``'s options.
         log_queries: rows of the W&B table and of the TensorBoard grid (0: no logging).
         log_top_k: neighbours shown per logged row.
+        overwrite: write into a folder that is not empty and not a report (replacing the report's files).
     """
 
     def __init__(
@@ -69,6 +75,7 @@ class RetrievalReport(pl.Callback):
         thumb_format: str = "webp",
         log_queries: int = 16,
         log_top_k: int = 8,
+        overwrite: bool = False,
     ) -> None:
         super().__init__()
         if int(top_k) < 1 or int(per_page) < 1 or int(log_queries) < 0 or int(log_top_k) < 1 or int(bins) < 0:
@@ -83,11 +90,27 @@ class RetrievalReport(pl.Callback):
         self.thumb_format = thumb_format
         self.log_queries = int(log_queries)
         self.log_top_k = int(log_top_k)
+        self.overwrite = bool(overwrite)
         #: the last report written (rank 0; None on the other ranks), and its results (every rank: the whole set)
         self.report: Report | None = None
         self.results: RetrievalResults | None = None
 
     # ------------------------------------------------------------------------------------------- hooks
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Refuse a test report's folder that is not new, empty or a report before the test runs: rank 0 checks,
+        every process raises (the same error), so no process is left waiting in a collective."""
+        if stage != "test":
+            return
+        problem = None
+        if trainer.is_global_zero:
+            try:
+                check_report_folder(self.resolve_folder(trainer, "test"), self.overwrite, option="overwrite=True")
+            except ReportFolderError as error:
+                problem = str(error)
+        problem = trainer.strategy.broadcast(problem, src=0)
+        if problem is not None:
+            raise ReportFolderError(f"RetrievalReport: {problem}")
+
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._build(trainer, getattr(pl_module, "test_metrics", None), "test", self._dataset(trainer.test_dataloaders))
 
@@ -142,6 +165,7 @@ class RetrievalReport(pl.Callback):
             results, folder, images=images, queries=self.queries, per_page=self.per_page,
             embeddings=data["embeddings"], embedding_indices=indices, thumb_size=self.thumb_size,
             thumb_format=self.thumb_format, title=f"Retrieval report: {stage}", source={"stage": stage},
+            overwrite=self.overwrite,
         )
         rank_zero_info(f"RetrievalReport: {self.report.index}")
         if self.log_queries:

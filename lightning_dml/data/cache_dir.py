@@ -12,6 +12,9 @@ Files in a data set's folder are named ``<what>-<variant>.<ext>``: ``verified-he
 ``verified-decode.json`` (:mod:`lightning_dml.data.verify`) today; other derived data (e.g. a decoded-image cache,
 ``decoded-<split>-<size>.*``) go beside them. Deleting the folder (or the whole cache root) is always safe: each
 file is rebuilt when next needed.
+
+Files are written through :func:`atomic_path` (a temporary file beside the target, renamed onto it), which the
+report writer (:mod:`lightning_dml.report`) shares: a killed process never leaves a half-written file in place.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ import hashlib
 import json
 import os
 import re
-import tempfile
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -47,18 +52,67 @@ def dataset_cache_dir(top: str | os.PathLike) -> Path:
     return cache_root() / "datasets" / f"{name[:64]}-{digest}"
 
 
-def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write ``data`` as JSON to ``path`` atomically (a temporary file beside it, renamed into place): a reader of
-    a cache index sees the old or the new file, never half of one."""
+@contextmanager
+def atomic_path(path: str | os.PathLike, *, fsync: bool = False) -> Iterator[Path]:
+    """A new temporary file beside ``path`` for the caller to write (by name); when the block ends normally it is
+    renamed onto ``path`` (``os.replace``, atomic on POSIX and Windows), when it raises (``KeyboardInterrupt``
+    included) it is removed. A reader of ``path`` sees the old file or the new one, never half of one, and a
+    process killed mid-write (SIGKILL, power cut with ``fsync``) leaves the old file whole; at most a hidden
+    ``.<name>.<hex>.tmp<suffix>`` file stays behind.
+
+    The temporary file ends with ``path``'s suffix (writers that append a missing ``.npz`` write it as named) and
+    is created with the permissions an ordinary ``open`` gives (``0o666`` less the umask), not ``mkstemp``'s 0600.
+
+    Args:
+        path: the file to write.
+        fsync: flush the new file to the disk before the rename (a power cut then also leaves one whole file).
+    """
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    while True:
+        temporary = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp{path.suffix}")
+        try:
+            os.close(os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            break
+        except FileExistsError:  # pragma: no cover - 48 random bits taken
+            continue
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as stream:
-            json.dump(data, stream, separators=(",", ":"))
+        yield temporary
+        if fsync:
+            handle = os.open(temporary, os.O_RDONLY)
+            try:
+                os.fsync(handle)
+            finally:
+                os.close(handle)
         os.replace(temporary, path)
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        temporary.unlink(missing_ok=True)
         raise
 
 
-__all__ = ["CACHE_ENV", "cache_root", "dataset_cache_dir", "write_json_atomic"]
+def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, fsync: bool = False) -> None:
+    """Write ``data`` to ``path`` through :func:`atomic_path`."""
+    with atomic_path(path, fsync=fsync) as temporary:
+        temporary.write_bytes(data)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str, *, fsync: bool = False) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through :func:`atomic_path`."""
+    write_bytes_atomic(path, text.encode("utf-8"), fsync=fsync)
+
+
+def write_json_atomic(path: str | os.PathLike, data: dict[str, Any]) -> None:
+    """Write ``data`` as compact JSON to ``path`` through :func:`atomic_path`: a reader of a cache index sees the
+    old or the new file, never half of one."""
+    write_text_atomic(path, json.dumps(data, separators=(",", ":")))
+
+
+__all__ = [
+    "CACHE_ENV",
+    "atomic_path",
+    "cache_root",
+    "dataset_cache_dir",
+    "write_bytes_atomic",
+    "write_json_atomic",
+    "write_text_atomic",
+]

@@ -6,6 +6,8 @@ Three sources, one of them::
     lightning-dml report --out DIR --predictions predictions.pt [--config CONFIG.yaml]
     lightning-dml report --out DIR --results DIR/results.npz [--config CONFIG.yaml]
 
+``DIR`` must be new, empty or an earlier report (``--overwrite`` otherwise; :mod:`~lightning_dml.report.folder`).
+
 With ``--ckpt_path`` the test split is embedded by ``lightning-dml predict`` itself (the same CLI, config and
 overrides, Lightning's predict loop and its :class:`~lightning_dml.callbacks.PredictionWriter`), writing
 ``DIR/predictions.pt``. With ``--predictions`` (a ``lightning-dml predict`` output) the images are the files it names;
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from lightning_dml.errors import UserInputError
+from lightning_dml.report.folder import check_report_folder, claim_report_folder
 from lightning_dml.report.thumbnails import FORMATS, image_source
 from lightning_dml.report.writer import Report, write_report
 from lightning_dml.retrieval import RetrievalResults
@@ -50,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--out", type=Path, required=True, help="the report folder (created; thumbnails are reused)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="write into --out even when it is not empty and holds no earlier report (the report's "
+                             "files are replaced, other files left alone)")
     source = parser.add_argument_group("source (one of --ckpt_path, --predictions, --results)")
     source.add_argument("--config", action="append", default=[], help="the run's config (as for predict; repeatable)")
     source.add_argument("--ckpt_path", help="the checkpoint to embed the test split with (needs --config)")
@@ -177,6 +183,7 @@ def main(argv: Sequence[str]) -> Report | None:
     out = options.out
     if out.exists() and not out.is_dir():
         raise ReportError(f"--out {out} is a file, not a folder")
+    check_report_folder(out, options.overwrite)  # before any work: a foreign folder is refused, untouched
 
     start = time.perf_counter()
     images = class_names = embeddings = indices = None
@@ -190,6 +197,7 @@ def main(argv: Sequence[str]) -> Report | None:
             images = image_source(paths=results.paths, indices=results.index)
     else:
         if options.ckpt_path is not None:
+            claim_report_folder(out, options.overwrite)  # predict writes DIR/predictions.pt
             data, datamodule, rank_zero = _predict(options.config, options.ckpt_path, out, extra)
             if not rank_zero:
                 return None
@@ -217,7 +225,7 @@ def main(argv: Sequence[str]) -> Report | None:
         results, out, images=images, queries=queries, by=options.by, per_page=options.per_page,
         recall_at=options.recall_at, confused=options.confused, embeddings=embeddings, embedding_indices=indices,
         thumb_size=options.thumb_size, thumb_format=options.thumb_format,
-        title=options.title or f"Retrieval report: {out.resolve().name}", source=source,
+        title=options.title or f"Retrieval report: {out.resolve().name}", source=source, overwrite=options.overwrite,
     )
     seconds = time.perf_counter() - start
     metrics = ", ".join(f"{k} {100 * v:.2f}" for k, v in report.metrics.items())

@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
+from lightning_dml.data.cache_dir import atomic_path
+
 __all__ = ["DatasetImages", "ImageSource", "PathImages", "ThumbnailWriter", "image_source"]
 
 #: thumbnail formats: name -> (PIL format, file suffix)
@@ -184,11 +186,9 @@ class ThumbnailWriter:
         return image
 
     def _save(self, image: Image.Image, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.{os.getpid()}.{id(image)}.tmp")
         options = {"quality": self.quality} if self.fmt in ("webp", "jpeg") else {}
-        image.save(tmp, FORMATS[self.fmt][0], **options)
-        tmp.replace(path)
+        with atomic_path(path) as temporary:  # a killed run never leaves a truncated thumbnail to be reused
+            image.save(temporary, FORMATS[self.fmt][0], **options)
 
     def _one(self, source: ImageSource, index: int) -> tuple[str | None, bool, str | None]:
         """(file relative to the folder's parent, reused, error message) of one item."""

@@ -8,6 +8,12 @@ Layout of the folder (``docs/report.md``)::
     data/queries-00000.js, ...          the query rows, one file per page, loaded when the page is shown
     thumbs/<2 hex>/<hash>.webp          thumbnails (content-addressed: a rerun reuses them)
     results.npz                         the RetrievalResults (``lightning-dml report --results`` rebuilds from it)
+    report.json                         the marker: this folder is a report (:mod:`~lightning_dml.report.folder`)
+
+The folder must be new, empty, an earlier report, or given with ``overwrite``
+(:func:`~lightning_dml.report.folder.claim_report_folder`). Every file is written atomically (a temporary file
+renamed onto it, :func:`~lightning_dml.data.cache_dir.atomic_path`): a run killed midway leaves each file whole, the
+old one or the new one (the pages may then be a mix of both runs' until the next run).
 
 The data are JavaScript files that call a function of ``report.js`` (``DMLReport.summary(...)``,
 ``DMLReport.page(n, ...)``), loaded by ``<script>`` tags: unlike ``fetch()`` of a JSON file, that works from
@@ -20,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from lightning_dml.data.cache_dir import atomic_path, write_text_atomic
+from lightning_dml.report.folder import check_report_folder, claim_report_folder
 from lightning_dml.report.thumbnails import ImageSource, ThumbnailWriter
 from lightning_dml.retrieval import RetrievalResults
 
@@ -236,9 +245,11 @@ def write_report(
     title: str = "Retrieval report",
     source: dict[str, Any] | None = None,
     save_results: bool = True,
+    overwrite: bool = False,
 ) -> Report:
     """Write the report of ``results`` into the folder ``out`` (created; the page and data files are replaced,
-    the thumbnails kept and reused).
+    the thumbnails kept and reused). ``out`` must be new, empty or an earlier report unless ``overwrite``
+    (:func:`~lightning_dml.report.folder.claim_report_folder`); every file is written atomically.
 
     Args:
         results: the retrieval results (with :attr:`~RetrievalResults.pair_histogram` for the histograms).
@@ -256,14 +267,14 @@ def write_report(
         title: the page's title.
         source: what the report was made from (shown in the page's header), e.g. ``{"predictions": path}``.
         save_results: also write ``results.npz``.
+        overwrite: write into a folder that is not empty and not a report (replacing files of the report's names).
     """
-    folder = Path(out)
-    if folder.exists() and not folder.is_dir():
-        raise NotADirectoryError(f"--out {folder} is a file, not a folder")
+    check_report_folder(out, overwrite, option="overwrite=True")
     summary, pages, items = report_data(
         results, queries=queries, by=by, per_page=per_page, recall_at=recall_at, confused=confused,
         embeddings=embeddings, embedding_indices=embedding_indices, title=title, source=source,
     )
+    folder = claim_report_folder(out, overwrite, option="overwrite=True")
     (folder / "data").mkdir(parents=True, exist_ok=True)
     thumbs: dict[int, Path | None] = {}
     writer = ThumbnailWriter(folder / "thumbs", size=thumb_size, fmt=thumb_format)
@@ -277,20 +288,24 @@ def write_report(
         thumb = thumbs.get(i)
         return [label_text(results, pos), name, None if thumb is None else thumb.relative_to(folder).as_posix()]
 
-    for old in (folder / "data").glob("queries-*.js"):  # a previous report's pages
-        old.unlink()
+    if save_results:  # first: the source of truth, from which `lightning-dml report --results` rebuilds the rest
+        with atomic_path(folder / "results.npz", fsync=True) as temporary:
+            results.save(temporary)
     for n, page in enumerate(pages):
         needed = {r["q"] for r in page["rows"]} | {h[0] for r in page["rows"] for h in r["hits"]}
         page["items"] = {str(i): item(i) for i in sorted(needed)}
-        (folder / "data" / f"queries-{n:05d}.js").write_text(_js("DMLReport.page", n, page), encoding="utf-8")
+        write_text_atomic(folder / "data" / f"queries-{n:05d}.js", _js("DMLReport.page", n, page))
     examples = {e for p in summary["confused"] for ex in p["examples"] for e in ex[:2]}
     summary["items"] = {str(i): item(int(i)) for i in sorted(examples)}
     summary["images"] = images is not None
-    (folder / "data" / "summary.js").write_text(_js("DMLReport.summary", summary), encoding="utf-8")
+    write_text_atomic(folder / "data" / "summary.js", _js("DMLReport.summary", summary))
+    for old in (folder / "data").glob("queries-*.js"):  # a previous report's pages beyond this one's
+        number = re.fullmatch(r"queries-(\d+)\.js", old.name)
+        if number is not None and int(number.group(1)) >= len(pages):
+            old.unlink(missing_ok=True)
     for name in ("index.html", "report.css", "report.js"):
-        shutil.copyfile(ASSETS / name, folder / name)
-    if save_results:
-        results.save(folder / "results.npz")
+        with atomic_path(folder / name) as temporary:
+            shutil.copyfile(ASSETS / name, temporary)
     return Report(
         folder=folder, index=folder / "index.html", queries=summary["counts"]["shown"], pages=len(pages),
         thumbnails_written=writer.written, thumbnails_reused=writer.reused, unreadable=list(writer.failed),
