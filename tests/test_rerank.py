@@ -17,7 +17,8 @@ from lightning_dml.metrics import functional as MF
 def ref_k_reciprocal(dist: list[list[float]], k1: int, k2: int, lam: float) -> list[float]:
     """d*(p, g) for the probe (item 0) against items 1..n-1 of one universe, one set at a time (Zhong et al.)."""
     n = len(dist)
-    order = [sorted(range(n), key=lambda j, i=i: (dist[i][j], j)) for i in range(n)]
+    # the item itself first (also among identical copies), then distance, ties by position
+    order = [sorted(range(n), key=lambda j, i=i: (j != i, dist[i][j], j)) for i in range(n)]
 
     def nbhd(i: int, k: int) -> set[int]:  # Eq. 2, the item itself included (k + 1 items)
         return set(order[i][: k + 1])
@@ -62,7 +63,8 @@ def ref_alpha_expand(
 
 
 def brute_search(gallery: torch.Tensor):
-    """An exact cosine index: scores best first, ties by smaller id, -1 padding past the gallery."""
+    """An exact cosine index: scores best first, ties by smaller id, -1 padding past the gallery; its vectors are
+    stored L2-normalised, as an ``EmbeddingIndex`` stores them."""
     g = F.normalize(gallery.double(), dim=1)
 
     def search(q: torch.Tensor, k: int):
@@ -75,7 +77,7 @@ def brute_search(gallery: torch.Tensor):
             ids = torch.cat([ids, torch.full((q.shape[0], pad), -1)], 1)
         return sc, ids
 
-    return search, (lambda ids: gallery[ids])
+    return search, (lambda ids: g[ids])
 
 
 def clustered(n: int, d: int, classes: int, seed: int, noise: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,10 +96,19 @@ def tied(n: int, d: int, seed: int) -> torch.Tensor:
     return x
 
 
+def copies(n: int, d: int, seed: int, count: int = 6) -> torch.Tensor:
+    """Random vectors whose items 0 (the probe), 2, 5, 6, 9, 11 are identical: more identical copies than a small k1
+    keeps (each item must still be in its own neighbour set, Eq. 2)."""
+    x = torch.randn(n, d, generator=torch.Generator().manual_seed(seed)).double()
+    x[[2, 5, 6, 9, 11][: count - 1]] = x[0].clone()
+    return x
+
+
 DATA = {
     "random": lambda: torch.randn(14, 5, generator=torch.Generator().manual_seed(0)).double(),
     "clustered": lambda: clustered(14, 5, 3, seed=1)[0].double(),
     "ties": lambda: tied(14, 3, seed=2),
+    "copies": lambda: copies(14, 4, seed=3),
 }
 
 
@@ -157,27 +168,35 @@ def test_k_reciprocal_rerank_full_candidate_set_matches_reference(data, metric, 
     each query's universe {p} ∪ G, ranked by d* then id."""
     x = DATA[data]()
     queries, gallery = x[:4], x[4:]
+    # the candidates as an index stores them (normalised for cosine); the raw queries become the same form
+    stored = F.normalize(gallery, dim=1) if metric == "cosine" else gallery
     ng = gallery.shape[0]
     # candidates in a scrambled order: the result must not depend on it
     perm = torch.randperm(ng, generator=torch.Generator().manual_seed(5))
     ids = perm.unsqueeze(0).repeat(4, 1)
     scores, got_ids = R.k_reciprocal_rerank(
-        queries.to(device), gallery[ids].to(device), ids.to(device), k=ng, k1=5, k2=3, lambda_=0.3, metric=metric
+        queries.to(device), stored[ids].to(device), ids.to(device), k=ng, k1=5, k2=3, lambda_=0.3, metric=metric
     )
     assert scores.device.type == device.type
     for qi in range(4):
         u = torch.cat([queries[qi : qi + 1], gallery])
-        if metric == "cosine":
-            u = F.normalize(u, dim=1)
+        if metric == "cosine":  # stored form, then the float64 normalisation of both
+            u = F.normalize(F.normalize(u, dim=1), dim=1)
         d_star = ref_k_reciprocal(R.squared_distances(u).tolist(), 5, 3, 0.3)
-        want = sorted(range(ng), key=lambda g: (round(d_star[g], 9), g))
-        assert got_ids[qi].tolist() == want
-        want_scores = [(1 - d_star[g] / 2) if metric == "cosine" else -d_star[g] for g in want]
+        got = got_ids[qi].tolist()
+        assert sorted(got) == list(range(ng))
+        # ordered by the reference's d*; items whose d* are equal in exact arithmetic (identical copies) differ
+        # in the last bits of either computation, so their relative order is not checked
+        keys = [round(d_star[g], 9) for g in got]
+        assert keys == sorted(keys), (got, keys)
+        want_scores = [(1 - d_star[g] / 2) if metric == "cosine" else -d_star[g] for g in got]
         torch.testing.assert_close(scores[qi].cpu(), torch.tensor(want_scores, dtype=torch.float64), rtol=0, atol=1e-9)
+        if data != "copies":  # no exact ties of d*: the order is the reference's, ties by the smaller id
+            assert got == sorted(range(ng), key=lambda g: (round(d_star[g], 9), g))
 
 
 def test_k_reciprocal_rerank_lambda_one_keeps_the_original_order_and_scores():
-    x, _ = clustered(30, 6, 4, seed=3)
+    x = clustered(30, 6, 4, seed=3)[0].double()  # a float64 "index": the queries are normalised in float64 too
     search, vectors = brute_search(x[5:])
     s0, i0 = search(x[:5], 25)
     s1, i1 = R.KReciprocal(lambda_=1.0, candidates=25).search(search, vectors, x[:5], 10)
@@ -370,3 +389,123 @@ def test_rerank_metrics_dba_leave_one_out_matches_reference():
         best = min((j for j in range(36) if j != i), key=lambda j: (-round(float(sims[j]), 12), j))
         hits += int(y[best] == y[i])
     assert got["recall@1"] == pytest.approx(hits / 36)
+
+
+# --------------------------------------------------------------------------------------------- one normalisation path
+def float32_index(raw: torch.Tensor):
+    """A stand-in for an ``EmbeddingIndex`` of raw float32 embeddings: stores ``F.normalize`` of them in float32
+    and normalises a query the same way before its inner products (``EmbeddingIndex._prepare`` / ``search``)."""
+    stored = F.normalize(raw.float(), dim=1)
+
+    def search(q: torch.Tensor, k: int):
+        s = F.normalize(q.float(), dim=1) @ stored.T
+        order = torch.sort(-s, dim=1, stable=True).indices[:, :k]
+        return s.gather(1, order), order
+
+    return search, (lambda ids: stored[ids])
+
+
+def test_k_reciprocal_query_in_the_gallery_is_its_stored_copy():
+    """Issue 26 s.4: a query that is itself in the gallery (its raw embedding equals a gallery item's) was
+    normalised in float64 from the raw vector and landed ~1e-8 from its stored copy (normalised in float32), so it
+    was not its own nearest neighbour: the copies scored 0.8 instead of 1.0. Now it gives exactly the answer of its
+    stored vector, and the copies (items 2 and 5) come first with score 1."""
+    raw = torch.randn(12, 8, generator=torch.Generator().manual_seed(0)) * 3
+    raw[5] = raw[2]
+    search, vectors = float32_index(raw)
+    rr = R.KReciprocal(k1=2, k2=2, candidates=12)
+    s_raw, i_raw = rr.search(search, vectors, raw[2:3], 6)
+    s_stored, i_stored = rr.search(search, vectors, vectors(torch.tensor([2])), 6)
+    assert torch.equal(i_raw, i_stored)
+    torch.testing.assert_close(s_raw, s_stored, rtol=0, atol=0)
+    assert i_raw[0, :2].tolist() == [2, 5]
+    assert s_raw[0, :2].tolist() == pytest.approx([1.0, 1.0], abs=1e-12)
+    assert (s_raw[0, 2:] < 0.9).all()
+
+
+def test_k_reciprocal_more_copies_than_k1_each_copy_in_its_own_set():
+    """Four identical items and k1=1 (neighbour sets of 2): with ties by position alone, the copies at positions 2
+    and 3 were not in their own neighbour sets N(x, k1); each item now ranks itself first (Eq. 2 with x ∈ N(x, k)),
+    as the reference does."""
+    x = copies(8, 3, seed=4, count=4)  # items 0, 2, 5, 6 identical
+    dist = R.squared_distances(x)
+    got = R.k_reciprocal_distance(dist.unsqueeze(0), k1=1, k2=2, lambda_=0.3)[0]
+    want = torch.tensor(ref_k_reciprocal(dist.tolist(), 1, 2, 0.3), dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+# --------------------------------------------------------------------------------------------- bounds
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("kreciprocal:candidates=1000000", r"candidates=1000000 outside \[1, 10000\]"),
+        ("kreciprocal:k1=1001", r"k1=1001 outside \[1, 1000\]"),
+        ("kreciprocal:k2=5000", r"k2=5000 outside \[1, 1000\]"),
+        ("aqe:n=1000000", r"n=1000000 outside \[1, 1000\]"),
+        ("dba:n=1001", r"n=1001 outside \[1, 1000\]"),
+        ("dba:candidates=10001", r"candidates=10001 outside \[1, 10000\]"),
+        ("aqe:alpha=100.5", r"alpha=100.5 outside \[0, 100\]"),
+        ("kreciprocal:candidates=" + "9" * 5000, "is not an integer"),
+    ],
+)
+def test_parse_rerank_refuses_values_above_the_documented_maxima(text, match):
+    with pytest.raises(R.RerankOptionError, match=match):
+        R.parse_rerank(text)
+    # the maxima themselves are accepted
+    assert R.parse_rerank("kreciprocal:k1=1000,k2=1000,candidates=10000") == \
+        R.KReciprocal(k1=1000, k2=1000, candidates=10_000)
+    assert R.parse_rerank("aqe:n=1000,alpha=100") == R.AlphaQueryExpansion(alpha=100.0, n=1000)
+
+
+def counting(search):
+    """``search`` that records the largest k it was asked for."""
+    asked = []
+
+    def wrapped(q, k):
+        asked.append(int(k))
+        return search(q, k)
+
+    return wrapped, asked
+
+
+@pytest.mark.parametrize("k", [4, 15])
+@pytest.mark.parametrize(
+    "rr,unclamped",
+    [
+        (R.KReciprocal(k1=3, k2=2, candidates=10_000), R.KReciprocal(k1=3, k2=2, candidates=13)),
+        (R.AlphaQueryExpansion(n=1000), R.AlphaQueryExpansion(n=13)),
+        (R.DatabaseSideAugmentation(n=1000, candidates=10_000), R.DatabaseSideAugmentation(n=13, candidates=13)),
+    ],
+    ids=["kr", "aqe", "dba"],
+)
+def test_rerank_options_are_clamped_to_the_gallery_size(rr, unclamped, k):
+    """Issue 26 s.3: memory followed the option's value, not the gallery (aqe:n=1000000 on 15 items: +200 MiB).
+    With the gallery size, the index is never asked for more than the gallery (or k), and the answer is that of
+    options past the gallery without the clamp (whose padding carries no item), padded to k."""
+    x = clustered(18, 5, 3, seed=13)[0].double()
+    gallery = x[6:]  # 12 items
+    search, vectors = brute_search(gallery)
+    counted, asked = counting(search)
+    s, i = rr.search(counted, vectors, x[:6], k, gallery_size=12)
+    assert max(asked) <= max(12, k if isinstance(rr, R.AlphaQueryExpansion) else 0), asked
+    s_ref, i_ref = unclamped.search(search, vectors, x[:6], k)
+    assert s.shape == (6, k) and i.shape == (6, k)
+    assert torch.equal(i, i_ref)
+    torch.testing.assert_close(s, s_ref.to(s.dtype), rtol=0, atol=0)
+    assert (i[:, 12:] == -1).all() and torch.isinf(s[:, 12:]).all()
+
+
+@pytest.mark.parametrize(
+    "rr", [R.KReciprocal(k1=4, k2=3, candidates=20), R.DatabaseSideAugmentation(n=3, candidates=20)], ids=["kr", "dba"]
+)
+def test_rerank_blocks_bounded_by_elements_do_not_change_results(rr, monkeypatch):
+    """Large candidate sets are processed in fewer queries per block (BLOCK_ELEMENTS); one query per block gives
+    the same answer, bit for bit."""
+    x = clustered(40, 6, 4, seed=14)[0].double()
+    search, vectors = brute_search(x[10:])
+    s_all, i_all = rr.search(search, vectors, x[:10], 8)
+    monkeypatch.setattr(R, "BLOCK_ELEMENTS", 1)
+    assert R._block(10**6) == 1
+    s_one, i_one = rr.search(search, vectors, x[:10], 8)
+    assert torch.equal(i_one, i_all)
+    torch.testing.assert_close(s_one, s_all, rtol=0, atol=0)

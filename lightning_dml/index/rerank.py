@@ -29,10 +29,17 @@ Conventions of :func:`k_reciprocal_distance` where the paper leaves a choice, fo
 * ``d`` is the squared Euclidean distance (the Mahalanobis distance of Eq. 1 with M = I) of the vectors as the
   index compares them: L2-normalised for the ``cosine`` metric (``d = 2 - 2 cos``), raw for ``euclidean``. The authors'
   code also divides each row by its maximum; that is not done here (it would make ``d`` depend on the candidate
-  set's size).
+  set's size). One normalisation path (:func:`as_stored`): a raw query is first L2-normalised in its own dtype,
+  as the index normalises the vectors it stores (``F.normalize`` of float32 embeddings), and the stored candidate
+  vectors are taken as they are; then both are normalised again in float64. A query that is itself in the gallery
+  is thus bit for bit its stored copy (distance exactly 0), not a vector ~1e-8 away.
 * ``N(x, k)`` (Eq. 2) holds the ``k + 1`` nearest items of ``x`` in ``U`` **including x itself** (the code's
-  ``initial_rank[i, :k1 + 1]``), so ``x ∈ R*(x, k)``. Order: distance, ties by position in ``U`` (the probe
-  first, then gallery ids ascending) -- the library's tie rule.
+  ``initial_rank[i, :k1 + 1]``), so ``x ∈ R*(x, k)``. Order: ``x`` itself first, then distance, ties by position
+  in ``U`` (the probe first, then gallery ids ascending) -- the library's tie rule. ``x`` is put first explicitly:
+  among identical copies (distance 0) the position rule alone would leave a copy out of its own set when more
+  than ``k`` copies come before it (the authors' ``argsort`` has the same gap). Copies beyond the first ``k``
+  (by position) are still outside each other's sets, so with more than ``k1`` identical copies of the probe in
+  ``U`` the later copies score below the first ones (the definition, not a rounding effect).
 * ``R(x, k) = {y ∈ N(x, k) : x ∈ N(y, k)}`` (Eq. 3). Expansion (Eq. 4): ``R*(x, k) = R(x, k) ∪ R(q, k/2)``
   for every ``q ∈ R(x, k)`` with ``|R(x, k) ∩ R(q, k/2)| >= 2/3 |R(q, k/2)|`` (the paper's ``>=``; the code
   has ``>``), ``k/2`` rounded half to even as the code's ``np.around``.
@@ -73,10 +80,12 @@ __all__ = [
     "RerankOptionError",
     "alpha_query_expansion",
     "alpha_weighted_average",
+    "as_stored",
     "database_side_augmentation",
     "k_reciprocal_distance",
     "k_reciprocal_rerank",
     "parse_rerank",
+    "RERANK_LIMITS",
     "ranked_list_metrics",
     "rerank_metrics",
     "rerank_search",
@@ -85,6 +94,9 @@ __all__ = [
 
 #: queries processed at once by the batched re-rankers (a memory bound only: results never depend on it)
 QUERY_BLOCK = 256
+#: at most this many elements in one block's ``[B, M, M]`` k-reciprocal universe, or ``[B, K, n, D]`` DBA
+#: neighbours: fewer queries per block for large candidate sets (``B >= 1``; results never depend on it)
+BLOCK_ELEMENTS = 1 << 22
 
 SearchFn = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 VectorsFn = Callable[[Tensor], Tensor]
@@ -107,6 +119,29 @@ def squared_distances(x: Tensor, y: Tensor | None = None) -> Tensor:
         d = 0.5 * (d + d.transpose(-1, -2))
         d.diagonal(dim1=-2, dim2=-1).zero_()
     return d
+
+
+def as_stored(x: Tensor, metric: str) -> Tensor:
+    """Raw query vectors in the form an index stores its vectors: L2-normalised in their own dtype for ``cosine``
+    (what :meth:`~lightning_dml.index.EmbeddingIndex.search` and the stored gallery get: ``F.normalize`` of float32
+    embeddings), unchanged for ``euclidean``. A query equal to a gallery item's embedding becomes bit for bit
+    its stored vector (module docstring: one normalisation path)."""
+    return F.normalize(x, dim=-1) if metric == "cosine" else x
+
+
+def _block(per_query: int) -> int:
+    """Queries per block so that a block holds at most :data:`BLOCK_ELEMENTS` elements (at least 1, at most
+    :data:`QUERY_BLOCK`)."""
+    return max(1, min(QUERY_BLOCK, BLOCK_ELEMENTS // max(1, int(per_query))))
+
+
+def _pad_columns(scores: Tensor, ids: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """``scores``/``ids`` padded with ``-inf`` / ``-1`` to ``k`` columns."""
+    missing = int(k) - ids.shape[1]
+    if missing <= 0:
+        return scores, ids
+    return (torch.cat([scores, scores.new_full((scores.shape[0], missing), float("-inf"))], 1),
+            torch.cat([ids, ids.new_full((ids.shape[0], missing), -1)], 1))
 
 
 def _nearest_mask(order: Tensor, count: int, pair_valid: Tensor) -> Tensor:
@@ -142,7 +177,8 @@ def k_reciprocal_distance(
         valid = torch.ones(b, m, dtype=torch.bool, device=dist.device)
     pair_valid = valid.unsqueeze(-1) & valid.unsqueeze(-2)
     masked = dist.masked_fill(~pair_valid, float("inf"))
-    # ranks by distance, ties by position in U (stable sort)
+    # ranks: the item itself first (also among identical copies), then distance, ties by position in U (stable)
+    masked.diagonal(dim1=-2, dim2=-1).fill_(float("-inf"))
     order = torch.sort(masked, dim=-1, stable=True).indices
     # Eqs. 2, 3: N(x, k1) (k1 + 1 items with x), R(x, k1) = mutual membership
     near = _nearest_mask(order, k1 + 1, pair_valid)
@@ -208,8 +244,8 @@ def k_reciprocal_rerank(
     """k-reciprocal re-ranking of each query's candidate set (module docstring: the candidate-set universe).
 
     Args:
-        queries: ``[Q, D]`` query vectors (raw: normalised here for ``cosine``).
-        candidates: ``[Q, K, D]`` the gallery vectors of each query's candidates.
+        queries: ``[Q, D]`` query vectors (raw: normalised here for ``cosine``, :func:`as_stored` first).
+        candidates: ``[Q, K, D]`` the gallery vectors of each query's candidates, as the index stores them.
         candidate_ids: ``[Q, K]`` int64 gallery ids, ``-1`` for padding (fewer than K candidates).
         k: results kept per query (default K).
 
@@ -227,9 +263,10 @@ def k_reciprocal_rerank(
     k = kc if k is None else min(int(k), kc)
     out_s = torch.full((nq, k), float("-inf"), dtype=torch.float64, device=queries.device)
     out_i = torch.full((nq, k), -1, dtype=torch.int64, device=queries.device)
-    for start in range(0, nq, QUERY_BLOCK):
-        sl = slice(start, start + QUERY_BLOCK)
-        q, c = queries[sl].double(), candidates[sl].double()
+    block = _block((kc + 1) ** 2)
+    for start in range(0, nq, block):
+        sl = slice(start, start + block)
+        q, c = as_stored(queries[sl], metric).double(), candidates[sl].double()
         if metric == "cosine":
             q, c = F.normalize(q, dim=-1), F.normalize(c, dim=-1)
         ids, c = _sort_by_id(candidate_ids[sl], c)
@@ -282,6 +319,11 @@ def database_side_augmentation(
 
 
 # --------------------------------------------------------------------------------------------- re-rankers
+def _clamp(count: int, limit: int | None) -> int:
+    """``count`` at most ``limit`` (a gallery size; ``None``: no limit), at least 1."""
+    return max(1, int(count) if limit is None else min(int(count), int(limit)))
+
+
 def _gather_vectors(vectors_fn: VectorsFn, ids: Tensor) -> tuple[Tensor, Tensor]:
     """Vectors of ``ids [Q, K]`` (``-1`` -> zeros) as ``[Q, K, D]`` and the validity mask."""
     valid = ids >= 0
@@ -303,10 +345,15 @@ class Reranker:
         _check_metric(metric)
 
     def search(
-        self, search_fn: SearchFn, vectors_fn: VectorsFn, queries: Tensor, k: int, metric: str = "cosine"
+        self, search_fn: SearchFn, vectors_fn: VectorsFn, queries: Tensor, k: int, metric: str = "cosine",
+        gallery_size: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Re-ranked ``(scores [Q, k], ids [Q, k])`` (``-1`` padding) from ``search_fn(queries, k)`` (the index's
-        search: similarity scores, best first) and ``vectors_fn(ids [N]) -> [N, D]`` (the gallery vectors)."""
+        search: similarity scores, best first) and ``vectors_fn(ids [N]) -> [N, D]`` (the gallery vectors).
+
+        ``gallery_size`` (the number of items ``search_fn`` searches): ``candidates`` and ``n`` are clamped to it
+        (the index cannot return more; the results are those of the unclamped options, only the padding that
+        would cost memory and time is not made)."""
         raise NotImplementedError
 
     def spec(self) -> str:
@@ -330,15 +377,17 @@ class KReciprocal(Reranker):
         return max(int(k), self.candidates)
 
     def search(
-        self, search_fn: SearchFn, vectors_fn: VectorsFn, queries: Tensor, k: int, metric: str = "cosine"
+        self, search_fn: SearchFn, vectors_fn: VectorsFn, queries: Tensor, k: int, metric: str = "cosine",
+        gallery_size: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         self.check_metric(metric)
-        _, ids = search_fn(queries, self.candidates_for(k))
+        _, ids = search_fn(queries, _clamp(self.candidates_for(k), gallery_size))
         vec, _ = _gather_vectors(vectors_fn, ids)
-        return k_reciprocal_rerank(
+        scores, ids = k_reciprocal_rerank(
             queries, vec.to(queries.device), ids.to(queries.device), k=k, k1=self.k1, k2=self.k2,
             lambda_=self.lambda_, metric=metric,
         )
+        return _pad_columns(scores, ids, k)
 
 
 @dataclass(frozen=True)
@@ -356,13 +405,15 @@ class AlphaQueryExpansion(Reranker):
                                     f"metric is {metric!r}")
 
     def search(
-        self, search_fn: SearchFn, vectors_fn: VectorsFn, queries: Tensor, k: int, metric: str = "cosine"
+        self, search_fn: SearchFn, vectors_fn: VectorsFn, queries: Tensor, k: int, metric: str = "cosine",
+        gallery_size: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         self.check_metric(metric)
-        sims, ids = search_fn(queries, self.n)
+        sims, ids = search_fn(queries, _clamp(self.n, gallery_size))
         vec, valid = _gather_vectors(vectors_fn, ids)
         expanded = alpha_query_expansion(
-            queries, vec.to(queries.device), sims.to(queries.device), alpha=self.alpha, valid=valid.to(queries.device)
+            as_stored(queries, metric), vec.to(queries.device), sims.to(queries.device), alpha=self.alpha,
+            valid=valid.to(queries.device),
         )
         return search_fn(expanded.to(queries.dtype), k)
 
@@ -384,34 +435,50 @@ class DatabaseSideAugmentation(Reranker):
         return max(int(k), self.candidates)
 
     def search(
-        self, search_fn: SearchFn, vectors_fn: VectorsFn, queries: Tensor, k: int, metric: str = "cosine"
+        self, search_fn: SearchFn, vectors_fn: VectorsFn, queries: Tensor, k: int, metric: str = "cosine",
+        gallery_size: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         self.check_metric(metric)
-        _, ids = search_fn(queries, self.candidates_for(k))
+        n = _clamp(self.n, None if gallery_size is None else gallery_size - 1)
+        _, ids = search_fn(queries, _clamp(self.candidates_for(k), gallery_size))
+        nq, kc = ids.shape
+        out_s, out_i = [], []
+        block = _block(kc * (n + 1) * max(1, queries.shape[-1]))
+        for start in range(0, nq, block):  # the candidates' neighbours of one block of queries at a time
+            s, i = self._augmented_scores(search_fn, vectors_fn, queries[start : start + block],
+                                          ids[start : start + block], n)
+            order = torch.sort(-s, dim=1, stable=True).indices[:, :k]
+            out_s.append(s.gather(1, order))
+            out_i.append(i.gather(1, order))
+        return _pad_columns(torch.cat(out_s), torch.cat(out_i), k)
+
+    def _augmented_scores(
+        self, search_fn: SearchFn, vectors_fn: VectorsFn, queries: Tensor, ids: Tensor, n: int
+    ) -> tuple[Tensor, Tensor]:
+        """Scores of the query against its augmented candidates ``ids [Q, K]``, rows sorted by id (-inf padding)."""
         vec, valid = _gather_vectors(vectors_fn, ids)
         nq, kc = ids.shape
         flat_ids = ids.reshape(-1)
         flat_vec = vec.reshape(nq * kc, -1)
         # each candidate's n nearest gallery items besides itself
-        nb_s, nb_i = search_fn(flat_vec.to(queries.dtype), self.n + 1)
+        nb_s, nb_i = search_fn(flat_vec.to(queries.dtype), n + 1)
         nb_s, nb_i = nb_s.to(queries.device), nb_i.to(queries.device)
         not_self = nb_i != flat_ids.to(nb_i.device).unsqueeze(1)
         # keep the first n that are not the item itself (stable: the index's order)
         keep_rank = torch.cumsum(not_self.long(), dim=1)
-        keep = not_self & (keep_rank <= self.n) & (nb_i >= 0)
-        pos = torch.sort((~keep).long(), dim=1, stable=True).indices[:, : self.n]
+        keep = not_self & (keep_rank <= n) & (nb_i >= 0)
+        pos = torch.sort((~keep).long(), dim=1, stable=True).indices[:, :n]
         sel_i, sel_s, sel_ok = nb_i.gather(1, pos), nb_s.gather(1, pos), keep.gather(1, pos)
         nb_vec, _ = _gather_vectors(vectors_fn, torch.where(sel_ok, sel_i, -1))
         aug = database_side_augmentation(
             flat_vec.to(queries.device), nb_vec.to(queries.device), sel_s, alpha=self.alpha, valid=sel_ok
         ).reshape(nq, kc, -1)
-        q = F.normalize(queries.double(), dim=-1)
+        q = F.normalize(as_stored(queries, "cosine").double(), dim=-1)
         scores = (aug @ q.unsqueeze(-1)).squeeze(-1)
         ids = ids.to(queries.device)
         scores = torch.where(ids >= 0, scores, float("-inf"))
         ids_sorted, scores_sorted = _sort_by_id(ids, scores)
-        order = torch.sort(-scores_sorted, dim=1, stable=True).indices[:, :k]
-        return scores_sorted.gather(1, order), ids_sorted.gather(1, order)
+        return scores_sorted, ids_sorted
 
 
 #: ``--rerank`` method name -> class (timm-style registry)
@@ -423,9 +490,13 @@ RERANKERS: dict[str, type[Reranker]] = {
 #: field name -> option key where they differ (``lambda`` is a Python keyword)
 _KEY_OF = {"lambda_": "lambda"}
 _FIELD_OF = {v: k for k, v in _KEY_OF.items()}
-_LIMITS: dict[str, tuple[float, float]] = {
-    "k1": (1, float("inf")), "k2": (1, float("inf")), "lambda_": (0.0, 1.0), "candidates": (1, float("inf")),
-    "alpha": (0.0, float("inf")), "n": (1, float("inf")),
+#: the documented range of each ``--rerank`` option (field name -> inclusive bounds), for every command. Work and
+#: memory grow with ``candidates`` (k-reciprocal: ``(candidates + 1)^2`` per query, in blocks of queries of at most
+#: :data:`BLOCK_ELEMENTS`; DBA: one search per candidate) and ``n``, never past the gallery size
+#: (:meth:`Reranker.search` clamps both to it); ``k1`` and ``k2`` past the universe mean the whole universe.
+RERANK_LIMITS: dict[str, tuple[float, float]] = {
+    "k1": (1, 1000), "k2": (1, 1000), "lambda_": (0.0, 1.0), "candidates": (1, 10_000),
+    "alpha": (0.0, 100.0), "n": (1, 1000),
 }
 
 
@@ -434,7 +505,9 @@ def parse_rerank(text: str | None) -> Reranker | None:
 
     Methods and keys (defaults): ``kreciprocal`` (``k1=20, k2=6, lambda=0.3, candidates=100``), ``aqe``
     (``alpha=3, n=2``), ``dba`` (``alpha=3, n=2, candidates=100``). E.g. ``kreciprocal:k1=20,k2=6,lambda=0.3``,
-    ``aqe:alpha=3,n=2``. Anything else raises :class:`RerankOptionError` naming the method, key or value.
+    ``aqe:alpha=3,n=2``. Values outside :data:`RERANK_LIMITS` (``k1, k2, n`` in 1..1000, ``candidates`` in
+    1..10000, ``lambda`` in [0, 1], ``alpha`` in [0, 100]) and anything else raise :class:`RerankOptionError`
+    naming the method, key or value.
     """
     if text is None:
         return None
@@ -468,7 +541,7 @@ def parse_rerank(text: str | None) -> Reranker | None:
         except ValueError:
             kind = "an integer" if is_int else "a number"
             raise RerankOptionError(f"--rerank {spec!r}: {key}={raw!r} is not {kind}") from None
-        lo, hi = _LIMITS[field]
+        lo, hi = RERANK_LIMITS[field]
         if not (math.isfinite(value) and lo <= value <= hi):
             raise RerankOptionError(f"--rerank {spec!r}: {key}={raw} outside [{lo:g}, {hi:g}]")
         values[field] = value
@@ -480,7 +553,7 @@ def rerank_search(index: Any, queries: Tensor, k: int, reranker: Reranker | None
     (``None``: the plain search) with the index's stored vectors (``index.vectors``) and metric."""
     if reranker is None:
         return index.search(queries, k)
-    return reranker.search(index.search, index.vectors, queries, k, index.metric)
+    return reranker.search(index.search, index.vectors, queries, k, index.metric, gallery_size=len(index))
 
 
 # --------------------------------------------------------------------------------------------- evaluation
