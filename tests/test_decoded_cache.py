@@ -199,6 +199,7 @@ def test_cache_is_reused_and_rebuilt_when_a_source_or_setting_changes(tmp_path, 
     again, info2 = open_decoded_cache(paths, top, "train", 20, progress=False)
     assert info.built and not info2.built and info2.index_file == info.index_file
     data_file = again.data_file
+    del view, again  # no view of the old data file lives any more (a live one keeps it: test_decoded_cache_readers)
     # a changed source file (new content, new mtime): rebuilt, with its new pixels; the old data file removed
     Image.fromarray(np.full((30, 40, 3), 7, dtype=np.uint8)).save(paths[0])
     os.utime(paths[0], ns=(10**18, 10**18))

@@ -42,8 +42,10 @@ import hashlib
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -58,9 +60,14 @@ from filelock import FileLock
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as F
 
-from lightning_dml.data.cache_dir import CACHE_ENV, dataset_cache_dir, write_json_atomic
+from lightning_dml.data.cache_dir import CACHE_ENV, atomic_path, dataset_cache_dir, write_json_atomic
 from lightning_dml.data.image_list import ImageListDataset, jpeg_decoder, load_image
 from lightning_dml.errors import NotEnoughDiskSpaceError, UserInputError
+
+try:  # POSIX: readers hold a shared flock on the data file they read
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: an open file cannot be deleted, the open handle is the hold
+    fcntl = None  # type: ignore[assignment]
 
 
 class CacheFolderError(UserInputError, OSError):
@@ -74,6 +81,10 @@ CACHE_MODES = ("none", "decoded")
 
 #: ``stat`` signature recorded for a file that could not be ``stat``-ed (missing): it changes when the file appears.
 _MISSING = [-1, -1]
+
+#: Environment variable: ``content`` makes every :func:`open_decoded_cache` check the sources' contents (sha256),
+#: not only their size and mtime (the data modules' caches included).
+CHECK_ENV = "LIGHTNING_DML_CACHE_CHECK"
 
 
 def cache_mode(value: str | None) -> str | None:
@@ -93,13 +104,76 @@ def format_bytes(count: int) -> str:
     return f"{count / 1e3:.0f} kB"
 
 
+class _ReaderHold:
+    """This process reads a cache's data file: the file is kept open, with a shared ``flock`` on POSIX, for as long as
+    a :class:`DecodedImages` of it lives here (every view and subset of one file shares one hold). A rebuild removes
+    an old data file only when it can take the exclusive lock (:func:`_remove_if_unused`); on Windows an open file
+    cannot be deleted at all. The memory map is made from this handle, so the file a view was opened on is the
+    one it reads, whatever happens to the name."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        if fcntl is not None:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_SH)
+            except OSError:  # pragma: no cover - a file system without locks: the open handle still reads the file
+                pass
+        weakref.finalize(self, os.close, self.fd)
+
+
+#: the holds of this process, by data file (a rebuild in this process never removes a file read here either)
+_HOLDS: "weakref.WeakValueDictionary[str, _ReaderHold]" = weakref.WeakValueDictionary()
+_HOLDS_LOCK = threading.Lock()
+
+
+def _hold(path: Path) -> _ReaderHold:
+    with _HOLDS_LOCK:
+        hold = _HOLDS.get(os.fspath(path))
+        if hold is None:
+            hold = _HOLDS[os.fspath(path)] = _ReaderHold(path)
+        return hold
+
+
+def _remove_if_unused(path: Path) -> bool:
+    """Delete the data file ``path`` unless a process reads it (holds it: :class:`_ReaderHold`); whether it is gone."""
+    if os.fspath(path) in _HOLDS:
+        return False
+    if fcntl is None:  # pragma: no cover - Windows: deleting a file another process has open fails
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            return False
+        return True
+    try:
+        fd = os.open(path, os.O_RDWR)  # write access: an exclusive lock over NFS needs it
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a reader holds it
+        os.close(fd)
+        return False
+    try:
+        path.unlink(missing_ok=True)  # under the exclusive lock: no reader can come in between
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
 class DecodedImages:
     """Read access to the decoded images of one split (or a subset of them): item ``i`` is a uint8 tensor
     ``[C, H, W]`` viewing the memory-mapped file (channels-last strides; nothing is copied until a transform
     computes from it).
 
     The memory map is opened on first access in each process and not pickled: a DataLoader worker receives the
-    file name and the small index arrays, never the pixels.
+    file name and the small index arrays, never the pixels. From its creation (or, in a worker, its first access)
+    a view holds its data file (:class:`_ReaderHold`): a rebuild by another run never deletes a file a live view
+    may still map.
 
     Args:
         data_file: the ``.u8`` file holding the pixels.
@@ -108,7 +182,8 @@ class DecodedImages:
         failed: reason of each image that could not be decoded, by position.
     """
 
-    def __init__(self, data_file: str | os.PathLike, offsets: np.ndarray, shapes: np.ndarray, failed: dict[int, str]) -> None:
+    def __init__(self, data_file: str | os.PathLike, offsets: np.ndarray, shapes: np.ndarray, failed: dict[int, str],
+                 hold: _ReaderHold | None = None) -> None:
         self.data_file = Path(data_file)
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.shapes = np.asarray(shapes, dtype=np.int64).reshape(-1, 3)
@@ -116,6 +191,7 @@ class DecodedImages:
             raise ValueError(f"{self.data_file}: {len(self.offsets)} offsets but {len(self.shapes)} shapes")
         self.failed = {int(k): str(v) for k, v in failed.items()}
         self._map: np.ndarray | None = None
+        self._hold = hold
 
     def __len__(self) -> int:
         return len(self.offsets)
@@ -127,8 +203,12 @@ class DecodedImages:
 
     def _memory_map(self) -> np.ndarray:
         if self._map is None:
-            # "c": copy-on-write, so the array (and torch's view of it) is writable without ever writing the file
-            self._map = np.memmap(self.data_file, dtype=np.uint8, mode="c")
+            if self._hold is None:
+                self._hold = _hold(self.data_file)
+            # "c": copy-on-write, so the array (and torch's view of it) is writable without ever writing the file;
+            # mapped from the held handle: the file this view was opened on
+            with open(self._hold.fd, "rb", closefd=False) as handle:
+                self._map = np.memmap(handle, dtype=np.uint8, mode="c")
         return self._map
 
     def pixels(self, index: int) -> torch.Tensor:
@@ -148,11 +228,12 @@ class DecodedImages:
         failed = {}
         if self.failed:
             failed = {new: self.failed[old] for new, old in enumerate(idx.tolist()) if old in self.failed}
-        return DecodedImages(self.data_file, self.offsets[idx], self.shapes[idx], failed)
+        return DecodedImages(self.data_file, self.offsets[idx], self.shapes[idx], failed, self._hold)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_map"] = None  # each process maps the file itself; the pixels are never pickled
+        state["_hold"] = None  # and holds it itself (a file handle is no state to pickle)
         return state
 
     def __repr__(self) -> str:
@@ -258,12 +339,52 @@ def _is_fresh(index: dict[str, Any] | None, folder: Path, expected: dict[str, An
 
 
 def _view(index: dict[str, Any], folder: Path) -> DecodedImages:
+    """The view of an index's data file, holding it (call under the cache's lock: no rebuild can remove it first)."""
+    data_file = folder / index["data_file"]
     return DecodedImages(
-        folder / index["data_file"],
+        data_file,
         np.asarray(index["offsets"], dtype=np.int64),
         np.asarray(index["shapes"], dtype=np.int64).reshape(-1, 3),
         {int(k): v for k, v in index.get("failed", {}).items()},
+        _hold(data_file),
     )
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file's bytes (hex), read in 1 MiB blocks; ``""`` when it cannot be read."""
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    except OSError:
+        return ""
+    return digest.hexdigest()
+
+
+def _hashes(paths: Sequence[Path], workers: int | None = None) -> list[str]:
+    with ThreadPoolExecutor(max_workers=workers or min(32, (os.cpu_count() or 1) + 4)) as pool:
+        return list(pool.map(file_sha256, paths, chunksize=64))
+
+
+def _content_check(value: bool | None) -> bool:
+    if value is not None:
+        return bool(value)
+    given = os.environ.get(CHECK_ENV, "").strip().lower()
+    if given not in ("", "stat", "content"):
+        raise ValueError(f"{CHECK_ENV} must be 'stat' (the default) or 'content', got {given!r}")
+    return given == "content"
+
+
+def _remove_stale(folder: Path, stem: str, keep: str) -> None:
+    """Remove the data files of earlier builds of ``stem`` that no process reads any more, and temporary files of
+    builds that were killed (under the cache's lock no build of ``stem`` is running). A data file still read stays
+    until a later call finds it unused."""
+    for stale in folder.glob(f"{stem}.*.u8"):
+        if stale.name != keep:
+            _remove_if_unused(stale)
+    for temporary in folder.glob(f".{stem}.*.tmp*"):
+        temporary.unlink(missing_ok=True)
 
 
 def decode_resized(path: Path, mode: str, box: Sequence[float] | None, size: int, interpolation: str) -> np.ndarray:
@@ -288,6 +409,7 @@ def open_decoded_cache(
     description: str = "decoded-image cache",
     workers: int | None = None,
     log: Callable[[str], None] | None = None,
+    content_check: bool | None = None,
 ) -> tuple[DecodedImages, CacheInfo]:
     """The decoded images of ``paths`` (in order), from the cache of the data set at ``top``; built (or rebuilt)
     first, under the cache's file lock, when it is missing or stale (see the module docstring).
@@ -301,9 +423,14 @@ def open_decoded_cache(
         progress: show a tqdm progress bar while building.
         workers: decoding threads; default ``min(32, os.cpu_count() + 4)``. The result does not depend on it.
         log: called with one line saying what was built (or found) and its size.
+        content_check: also compare every source file's sha256 with the one recorded at the build (rebuilt on a
+            difference; a cache built without them is rebuilt once): catches a file replaced with the same size
+            and mtime, at the cost of reading every file at each set-up. None: ``$LIGHTNING_DML_CACHE_CHECK``
+            (``content``; default ``stat``: size and mtime only).
     """
     if size < 1:
         raise ValueError(f"cache_size must be at least 1, got {size}")
+    check_content = _content_check(content_check)
     paths = [Path(p) for p in paths]
     top = Path(top)
     if boxes is not None:
@@ -334,15 +461,22 @@ def open_decoded_cache(
         signatures = _signatures(paths)
         files = [[name, *signature] for name, signature in zip(relative, signatures)]
         index = _read_index(index_file)
+        hashes = None
+        fresh = _is_fresh(index, folder, expected, files)
+        if fresh and check_content:
+            hashes = _hashes(paths, workers)
+            fresh = index.get("sha256") == hashes
         built = False
-        if not _is_fresh(index, folder, expected, files):
+        if not fresh:
+            if check_content and hashes is None:
+                hashes = _hashes(paths, workers)
             index = _build(paths, boxes, signatures, files, expected, folder, stem, progress, description, workers)
+            if hashes is not None:
+                index["sha256"] = hashes
             write_json_atomic(index_file, index)
             built = True
-        for stale in folder.glob(f"{stem}.*.u8"):  # data files of earlier builds (none unless rebuilt or crashed)
-            if stale.name != index["data_file"]:
-                stale.unlink(missing_ok=True)
-        view = _view(index, folder)
+        view = _view(index, folder)  # held before the lock is released: no other build can remove it now
+        _remove_stale(folder, stem, index["data_file"])
     info = CacheInfo(index_file, built, int(index["data_bytes"]), time.perf_counter() - began, len(view.failed))
     if log is not None:
         what = "built" if built else "found"
@@ -382,15 +516,16 @@ def _build(
         except Exception as error:  # noqa: BLE001 - every failure is recorded with its reason
             return i, None, " ".join(f"{type(error).__name__}: {error}".split())
 
-    data_name = f"{stem}.{uuid.uuid4().hex[:12]}.u8"
-    temporary = folder / f".{data_name}.tmp"
+    data_name = f"{stem}.{uuid.uuid4().hex[:12]}.u8"  # a new name per build: readers of older builds keep theirs
     offsets = np.zeros(count, dtype=np.int64)
     shapes = np.zeros((count, 3), dtype=np.int64)
     failed: dict[str, str] = {}
     written = 0
     space_checks = {1, min(count, 256)}  # decoded images after which the space needed is estimated and checked
     try:
-        with open(temporary, "wb") as out, ThreadPoolExecutor(max_workers=workers) as pool, tqdm(
+        with atomic_path(folder / data_name) as temporary, open(temporary, "wb") as out, ThreadPoolExecutor(
+            max_workers=workers
+        ) as pool, tqdm(
             total=count, desc=description, unit="image", disable=not progress, leave=False, dynamic_ncols=True
         ) as bar:
             pending: deque = deque()
@@ -415,17 +550,12 @@ def _build(
                         _check_space(folder, estimate - written, estimate, description)
                 bar.update(1)
     except OSError as error:
-        temporary.unlink(missing_ok=True)
         if error.errno == errno.ENOSPC:
             raise NotEnoughDiskSpaceError(
                 f"{description}: the disk holding {folder} is full ({written / 1e9:.2f} GB written); free some "
                 f"space or set {CACHE_ENV} to a folder on a larger disk"
             ) from error
         raise
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    os.replace(temporary, folder / data_name)
     return {
         **expected,
         "count": count,
@@ -449,6 +579,7 @@ def _check_space(folder: Path, needed: int, total: int, description: str) -> Non
 
 __all__ = [
     "CACHE_MODES",
+    "CHECK_ENV",
     "FORMAT_VERSION",
     "CacheFolderError",
     "CacheInfo",
@@ -457,6 +588,7 @@ __all__ = [
     "cache_key",
     "cache_mode",
     "decode_resized",
+    "file_sha256",
     "format_bytes",
     "open_decoded_cache",
 ]
