@@ -499,8 +499,9 @@ def test_rerank_options_are_clamped_to_the_gallery_size(rr, unclamped, k):
     "rr", [R.KReciprocal(k1=4, k2=3, candidates=20), R.DatabaseSideAugmentation(n=3, candidates=20)], ids=["kr", "dba"]
 )
 def test_rerank_blocks_bounded_by_elements_do_not_change_results(rr, monkeypatch):
-    """Large candidate sets are processed in fewer queries per block (BLOCK_ELEMENTS); one query per block gives
-    the same answer, bit for bit."""
+    """Large candidate sets are processed in fewer queries per block (BLOCK_ELEMENTS); one query (and, DBA, one
+    candidate) per block gives the same answer (bit for bit for k-reciprocal; DBA's matrix products over other row
+    counts may differ in the last bit)."""
     x = clustered(40, 6, 4, seed=14)[0].double()
     search, vectors = brute_search(x[10:])
     s_all, i_all = rr.search(search, vectors, x[:10], 8)
@@ -508,4 +509,4 @@ def test_rerank_blocks_bounded_by_elements_do_not_change_results(rr, monkeypatch
     assert R._block(10**6) == 1
     s_one, i_one = rr.search(search, vectors, x[:10], 8)
     assert torch.equal(i_one, i_all)
-    torch.testing.assert_close(s_one, s_all, rtol=0, atol=0)
+    torch.testing.assert_close(s_one, s_all, rtol=0, atol=0 if rr.name == "kreciprocal" else 1e-15)

@@ -94,9 +94,11 @@ __all__ = [
 
 #: queries processed at once by the batched re-rankers (a memory bound only: results never depend on it)
 QUERY_BLOCK = 256
-#: at most this many elements in one block's ``[B, M, M]`` k-reciprocal universe, or ``[B, K, n, D]`` DBA
-#: neighbours: fewer queries per block for large candidate sets (``B >= 1``; results never depend on it)
-BLOCK_ELEMENTS = 1 << 22
+#: at most this many elements per intermediate tensor of a block of queries (k-reciprocal: ``[B, M, M]`` universes,
+#: ~100 MiB at the peak for one query of 1000 candidates; the gathered ``[B, K, D]`` vectors; DBA: ``[R, n, D]``
+#: neighbours): fewer queries per block for large options (at least one; results do not depend on it, except in
+#: the last bits of a matrix product over another number of rows)
+BLOCK_ELEMENTS = 1 << 20
 
 SearchFn = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 VectorsFn = Callable[[Tensor], Tensor]
@@ -363,6 +365,21 @@ class Reranker:
         return f"{self.name}:{opts}"
 
 
+def _in_blocks(
+    queries: Tensor, per_query: int, k: int, run: Callable[[Tensor], tuple[Tensor, Tensor]]
+) -> tuple[Tensor, Tensor]:
+    """``run`` on blocks of queries of at most :data:`BLOCK_ELEMENTS` / ``per_query`` rows (results never depend on
+    the block: each query is re-ranked on its own), concatenated and padded to ``k`` columns."""
+    out_s, out_i = [], []
+    block = _block(per_query)
+    for start in range(0, queries.shape[0], block):
+        s, i = run(queries[start : start + block])
+        s, i = _pad_columns(s, i, k)
+        out_s.append(s)
+        out_i.append(i)
+    return torch.cat(out_s), torch.cat(out_i)
+
+
 @dataclass(frozen=True)
 class KReciprocal(Reranker):
     """k-reciprocal re-ranking (Zhong et al., CVPR 2017) of the top ``candidates`` results of each query."""
@@ -381,13 +398,15 @@ class KReciprocal(Reranker):
         gallery_size: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         self.check_metric(metric)
-        _, ids = search_fn(queries, _clamp(self.candidates_for(k), gallery_size))
-        vec, _ = _gather_vectors(vectors_fn, ids)
-        scores, ids = k_reciprocal_rerank(
-            queries, vec.to(queries.device), ids.to(queries.device), k=k, k1=self.k1, k2=self.k2,
-            lambda_=self.lambda_, metric=metric,
-        )
-        return _pad_columns(scores, ids, k)
+        kc = _clamp(self.candidates_for(k), gallery_size)
+
+        def run(q: Tensor) -> tuple[Tensor, Tensor]:
+            _, ids = search_fn(q, kc)
+            vec, _ = _gather_vectors(vectors_fn, ids)
+            return k_reciprocal_rerank(q, vec.to(q.device), ids.to(q.device), k=k, k1=self.k1, k2=self.k2,
+                                       lambda_=self.lambda_, metric=metric)
+
+        return _in_blocks(queries, max((kc + 1) ** 2, kc * queries.shape[-1]), k, run)
 
 
 @dataclass(frozen=True)
@@ -409,13 +428,16 @@ class AlphaQueryExpansion(Reranker):
         gallery_size: int | None = None,
     ) -> tuple[Tensor, Tensor]:
         self.check_metric(metric)
-        sims, ids = search_fn(queries, _clamp(self.n, gallery_size))
-        vec, valid = _gather_vectors(vectors_fn, ids)
-        expanded = alpha_query_expansion(
-            as_stored(queries, metric), vec.to(queries.device), sims.to(queries.device), alpha=self.alpha,
-            valid=valid.to(queries.device),
-        )
-        return search_fn(expanded.to(queries.dtype), k)
+        n = _clamp(self.n, gallery_size)
+
+        def run(q: Tensor) -> tuple[Tensor, Tensor]:
+            sims, ids = search_fn(q, n)
+            vec, valid = _gather_vectors(vectors_fn, ids)
+            expanded = alpha_query_expansion(as_stored(q, metric), vec.to(q.device), sims.to(q.device),
+                                             alpha=self.alpha, valid=valid.to(q.device))
+            return search_fn(expanded.to(q.dtype), k)
+
+        return _in_blocks(queries, max(n, k) * queries.shape[-1], k, run)
 
 
 @dataclass(frozen=True)
@@ -440,45 +462,37 @@ class DatabaseSideAugmentation(Reranker):
     ) -> tuple[Tensor, Tensor]:
         self.check_metric(metric)
         n = _clamp(self.n, None if gallery_size is None else gallery_size - 1)
-        _, ids = search_fn(queries, _clamp(self.candidates_for(k), gallery_size))
-        nq, kc = ids.shape
-        out_s, out_i = [], []
-        block = _block(kc * (n + 1) * max(1, queries.shape[-1]))
-        for start in range(0, nq, block):  # the candidates' neighbours of one block of queries at a time
-            s, i = self._augmented_scores(search_fn, vectors_fn, queries[start : start + block],
-                                          ids[start : start + block], n)
-            order = torch.sort(-s, dim=1, stable=True).indices[:, :k]
-            out_s.append(s.gather(1, order))
-            out_i.append(i.gather(1, order))
-        return _pad_columns(torch.cat(out_s), torch.cat(out_i), k)
+        kc = _clamp(self.candidates_for(k), gallery_size)
 
-    def _augmented_scores(
-        self, search_fn: SearchFn, vectors_fn: VectorsFn, queries: Tensor, ids: Tensor, n: int
-    ) -> tuple[Tensor, Tensor]:
-        """Scores of the query against its augmented candidates ``ids [Q, K]``, rows sorted by id (-inf padding)."""
-        vec, valid = _gather_vectors(vectors_fn, ids)
-        nq, kc = ids.shape
-        flat_ids = ids.reshape(-1)
-        flat_vec = vec.reshape(nq * kc, -1)
-        # each candidate's n nearest gallery items besides itself
-        nb_s, nb_i = search_fn(flat_vec.to(queries.dtype), n + 1)
-        nb_s, nb_i = nb_s.to(queries.device), nb_i.to(queries.device)
-        not_self = nb_i != flat_ids.to(nb_i.device).unsqueeze(1)
+        def run(q: Tensor) -> tuple[Tensor, Tensor]:
+            _, ids = search_fn(q, kc)
+            vec, _ = _gather_vectors(vectors_fn, ids)
+            nq = ids.shape[0]
+            flat_ids, flat_vec = ids.reshape(-1), vec.reshape(nq * kc, -1)
+            rows = _block((n + 1) * max(1, flat_vec.shape[-1]))  # candidates augmented at once
+            aug = torch.cat([self._augment(search_fn, vectors_fn, flat_vec[r : r + rows], flat_ids[r : r + rows], n)
+                             for r in range(0, nq * kc, rows)]).to(q.device).reshape(nq, kc, -1)
+            scores = (aug @ F.normalize(as_stored(q, "cosine").double(), dim=-1).unsqueeze(-1)).squeeze(-1)
+            ids = ids.to(q.device)
+            ids, scores = _sort_by_id(ids, torch.where(ids >= 0, scores, float("-inf")))
+            order = torch.sort(-scores, dim=1, stable=True).indices[:, :k]  # ties: smaller id (ids are sorted)
+            return scores.gather(1, order), ids.gather(1, order)
+
+        return _in_blocks(queries, kc * queries.shape[-1], k, run)
+
+    def _augment(self, search_fn: SearchFn, vectors_fn: VectorsFn, vec: Tensor, ids: Tensor, n: int) -> Tensor:
+        """The augmented vectors ``[R, D]`` (float64) of gallery vectors ``vec [R, D]`` with ids ``ids [R]``
+        (``-1``: padding): each by its ``n`` nearest gallery items besides itself, in the index's order."""
+        nb_s, nb_i = search_fn(vec, n + 1)
+        nb_s, nb_i = nb_s.to(vec.device), nb_i.to(vec.device)
+        not_self = nb_i != ids.to(nb_i.device).unsqueeze(1)
         # keep the first n that are not the item itself (stable: the index's order)
         keep_rank = torch.cumsum(not_self.long(), dim=1)
         keep = not_self & (keep_rank <= n) & (nb_i >= 0)
         pos = torch.sort((~keep).long(), dim=1, stable=True).indices[:, :n]
         sel_i, sel_s, sel_ok = nb_i.gather(1, pos), nb_s.gather(1, pos), keep.gather(1, pos)
         nb_vec, _ = _gather_vectors(vectors_fn, torch.where(sel_ok, sel_i, -1))
-        aug = database_side_augmentation(
-            flat_vec.to(queries.device), nb_vec.to(queries.device), sel_s, alpha=self.alpha, valid=sel_ok
-        ).reshape(nq, kc, -1)
-        q = F.normalize(as_stored(queries, "cosine").double(), dim=-1)
-        scores = (aug @ q.unsqueeze(-1)).squeeze(-1)
-        ids = ids.to(queries.device)
-        scores = torch.where(ids >= 0, scores, float("-inf"))
-        ids_sorted, scores_sorted = _sort_by_id(ids, scores)
-        return scores_sorted, ids_sorted
+        return database_side_augmentation(vec, nb_vec.to(vec.device), sel_s, alpha=self.alpha, valid=sel_ok)
 
 
 #: ``--rerank`` method name -> class (timm-style registry)
