@@ -409,3 +409,80 @@ def test_image_folder_csv_uses_the_same_reader(tmp_path):
     with pytest.raises(TableError, match="unknown split 'validation'; expected train, test, query, gallery"):
         (tmp_path / "v.csv").write_text("path,label,split\nimg/0.jpg,a,validation\n")
         parse_image_table(read_raw_table(tmp_path / "v.csv"), ("train", "test", "query", "gallery"))
+
+
+# ------------------------------------------------------------------------------------ one file, one item; no "nan" class
+@pytest.mark.skipif(sys.platform == "win32", reason="symbolic links need privileges on Windows")
+def test_the_same_image_through_a_symbolic_link_is_a_duplicate_naming_both_rows(tmp_path):
+    rows = _rows([0, 0, 1, 1, 2, 2], ["train"] * 4 + ["test"] * 2)
+    _table(tmp_path, rows, ("path", "label", "split"), images=6)
+    (tmp_path / "alias").symlink_to(tmp_path / "img", target_is_directory=True)  # the same folder, another name
+    (tmp_path / "img" / "link.jpg").symlink_to(tmp_path / "img" / "2.jpg")  # the same file, another name
+    rows[4]["path"] = "alias/1.jpg"  # row 6 is row 3's file
+    rows[5]["path"] = "img/link.jpg"  # row 7 is row 4's file
+    file = _table(tmp_path, rows, ("path", "label", "split"), name="linked.csv")
+    with pytest.raises(TableError) as error:
+        CSVDataModule(file, **SMALL).setup("fit")
+    message = str(error.value)
+    real = (tmp_path / "img").resolve()
+    assert "2 problems" in message, message
+    assert (f"row 6, column 'path': {tmp_path}/alias/1.jpg is the file {tmp_path}/img/1.jpg of row 3 (both resolve "
+            f"to {real}/1.jpg, through a symbolic link)") in message, message
+    assert f"row 7, column 'path': {tmp_path}/img/link.jpg is the file {tmp_path}/img/2.jpg of row 4" in message
+    # distinct files through a linked folder are distinct items
+    rows[4]["path"], rows[5]["path"] = "alias/4.jpg", "alias/5.jpg"
+    CSVDataModule(_table(tmp_path, rows, ("path", "label", "split"), name="fine.csv"), **SMALL).setup("fit")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="symbolic links need privileges on Windows")
+def test_a_class_folder_linked_twice_is_one_error_naming_both_paths(tmp_path):
+    from lightning_dml.data.files import DatasetLayoutError
+
+    for split, classes in (("train", "ab"), ("test", "c")):
+        for name in classes:
+            for k in range(3):
+                write_jpeg(tmp_path / split / name / f"{k}.jpg", (10 * k, 40, 90), SIZE)
+    ImageFolderDataModule(tmp_path, **SMALL).setup("fit")
+    (tmp_path / "test" / "d").symlink_to(tmp_path / "train" / "a", target_is_directory=True)
+    with pytest.raises(DatasetLayoutError) as error:
+        ImageFolderDataModule(tmp_path, **SMALL).setup("fit")
+    message = str(error.value)
+    assert isinstance(error.value, UserInputError)
+    assert "3 image(s) reached twice through a symbolic link (test/d/0.jpg is train/a/0.jpg;" in message, message
+
+
+@pytest.mark.parametrize("missing", ["nan", "NaN", "None", "NULL", "NA", "#N/A", "<NA>"])
+def test_a_missing_value_written_as_text_is_an_error_not_a_class(tmp_path, missing):
+    rows = _rows([0, missing, 1, missing, 2, missing], ["train"] * 4 + ["test"] * 2)
+    file = _table(tmp_path, rows, ("path", "label", "split"), images=6)
+    with pytest.raises(TableError) as error:
+        CSVDataModule(file, **SMALL).setup("fit")
+    message = str(error.value)
+    assert message.startswith(f"image table {file}: 3 problems:"), message
+    for row, what in ((3, "every training item needs a class"), (5, "every training item needs a class"),
+                      (7, "leave the cell empty for an item without a label")):
+        assert (f"row {row}, column 'label': {missing!r} is a missing value written as text, not a label name: "
+                f"{what}") in message, message
+    # the folder data module's CSV branch reads it alike
+    (tmp_path / "list.csv").write_text(f"img/0.jpg,a,train\nimg/1.jpg,{missing},train\nimg/2.jpg,b,test\n")
+    with pytest.raises(TableError, match=r"row 2, column 'label': .* is a missing value written as text"):
+        ImageFolderDataModule(tmp_path / "list.csv", **SMALL).setup()
+
+
+def test_missing_values_in_label_sets_categories_and_sequences_name_their_columns(tmp_path):
+    rows = _rows([0, 0, 1, 1, 2, 2], ["train"] * 4 + ["test"] * 2, labels=["0", "0;nan", "1", "1", "2", "None"],
+                 category=["x", "x", "y", "None", "z", "z"], sequence=[None, None, None, None, "s", "NaN"])
+    file = _table(tmp_path, rows, ("path", "label", "labels", "split", "category", "sequence"), images=6)
+    with pytest.raises(TableError) as error:
+        CSVDataModule(file, **SMALL).setup("fit")
+    message = str(error.value)
+    assert "4 problems" in message, message
+    assert "row 3, column 'labels': '0;nan' holds a missing value written as text" in message
+    assert "row 7, column 'labels': 'None' holds a missing value written as text" in message
+    assert "row 5, column 'category': 'None' is a missing value written as text, not a category name" in message
+    assert "row 7, column 'sequence': 'NaN' is a missing value written as text, not a sequence name" in message
+    # names that only contain such text are names
+    rows = _rows(["nano", "nano", "Nonesuch", "Nonesuch", "na1", "na1"], ["train"] * 4 + ["test"] * 2)
+    module = CSVDataModule(_table(tmp_path, rows, ("path", "label", "split"), name="ok.csv"), **SMALL)
+    _setup(module)
+    assert module.class_names == ["Nonesuch", "na1", "nano"]

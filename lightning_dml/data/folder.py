@@ -18,7 +18,7 @@ import numpy as np
 from pytorch_lightning.utilities import rank_zero_warn
 
 from lightning_dml.data.files import DatasetLayoutError, ImageFilesDataModule, SplitFiles
-from lightning_dml.data.table import TableError, parse_image_table, read_raw_table
+from lightning_dml.data.table import TableError, parse_image_table, read_raw_table, resolved_paths
 
 #: the splits of the CSV branch (``query``/``gallery``: the evaluation rows of an In-Shop style split)
 CSV_SPLITS = ("train", "test", "query", "gallery")
@@ -49,7 +49,8 @@ class ImageFolderDataModule(ImageFilesDataModule):
     label). Image extensions recognised in folders: ``IMAGE_EXTENSIONS`` (case-insensitive). Hidden files and
     folders (names starting with ``.``, e.g. macOS's ``._<name>.jpg`` AppleDouble files, which carry an image
     extension but no image) and ``__MACOSX`` folders are skipped (:func:`is_hidden`); a class folder without any
-    image file is not a class, and one warning names every such folder.
+    image file is not a class, and one warning names every such folder. An image reached twice (a class folder or file
+that is a symbolic link to another listed one) is an error naming both.
 
     Args:
         *args, **kwargs: see :class:`~lightning_dml.data.files.ImageFilesDataModule` (``root``: the folder with
@@ -103,6 +104,7 @@ class ImageFolderDataModule(ImageFilesDataModule):
                 if not found:
                     empty.append(f"{split}/{class_dir.name}")
             out[split] = items
+        self._check_same_files(top, out)
         if empty:
             rank_zero_warn(
                 f"{self.dataset_name} at {top}: {len(empty)} class folder(s) without any image file are ignored "
@@ -110,6 +112,24 @@ class ImageFolderDataModule(ImageFilesDataModule):
                 "files and folders skipped"
             )
         return out
+
+    def _check_same_files(self, top: Path, items: dict[str, list[tuple[Path, str]]]) -> None:
+        """One error naming every image reached twice through a symbolic link (a linked class folder, a linked
+        file): the same item listed twice, counted twice by every metric (as a table's duplicate rows are)."""
+        listed = [path for rows in items.values() for path, _ in rows]
+        first: dict[str, Path] = {}
+        same = []
+        for path, real in zip(listed, resolved_paths(listed)):
+            if real in first:
+                same.append(f"{path.relative_to(top)} is {first[real].relative_to(top)}")
+            else:
+                first[real] = path
+        if same:
+            shown = "; ".join(same[:5]) + (f"; ... and {len(same) - 5} more" if len(same) > 5 else "")
+            raise DatasetLayoutError(
+                f"{self.dataset_name} at {top}: {len(same)} image(s) reached twice through a symbolic link ({shown}); "
+                "every image must be listed once: remove the link or the copy"
+            )
 
     def _read_csv(self, path: Path) -> dict[str, list[tuple[Path, str]]]:
         """The CSV's rows per split as ``(image path, class name)``, read by the shared table reader: a header

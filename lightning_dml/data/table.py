@@ -22,7 +22,12 @@ an unknown split, an empty path or label, an unparsable label set or flag or box
 reads the header only; in threads, with a progress bar).
 
 Values of ``label``/``labels``/``category``/``sequence`` are text; integers written as floats (``12.0``, what
-pandas writes for an integer column with an empty cell) are read as the integer.
+pandas writes for an integer column with an empty cell) are read as the integer. Text that tools write for a missing
+value (``nan``, ``NaN``, ``None``, ``null``, ``NA``, ``N/A``, ``#N/A``, ``<NA>``: :data:`MISSING_VALUES`) is an error
+naming the rows and the column, not a class: an empty cell is how a value is left out.
+
+Two rows name the same image when their paths resolve to the same file (symbolic links followed,
+:func:`resolved_paths`): a folder reached through a link is the same folder, and such rows are the duplicate error.
 """
 
 from __future__ import annotations
@@ -51,6 +56,11 @@ BOX_COLUMNS = ("x_1", "y_1", "x_2", "y_2")
 COLUMNS = ("path", "split", "label", "labels", "is_query", "is_gallery", "category", "sequence", *BOX_COLUMNS)
 #: the separator of the labels of a label set
 LABEL_SEPARATOR = ";"
+
+#: what tools write for a missing value (pandas ``nan``/``NaN``/``None``/``<NA>``, R ``NA``, spreadsheets ``#N/A``),
+#: compared in lower case: in a ``label``, ``labels``, ``category`` or ``sequence`` cell such text is an error naming
+#: the row and column, never a class (or category, or sequence) of that name; an empty cell is the missing value
+MISSING_VALUES = frozenset({"nan", "none", "null", "na", "n/a", "#n/a", "<na>"})
 
 _TRUE = frozenset({"true", "1", "1.0", "yes", "y", "t"})
 _FALSE = frozenset({"false", "0", "0.0", "no", "n", "f"})
@@ -236,6 +246,41 @@ def normalise_name(text: str) -> str:
     return text
 
 
+def is_missing_value(text: str) -> bool:
+    """Whether a cell's text is what a tool writes for a missing value (:data:`MISSING_VALUES`)."""
+    return text.strip().lower() in MISSING_VALUES
+
+
+def _missing_value(i: int, column: str, text: str, problems: Problems, leave_empty: str) -> bool:
+    """Record the problem of a missing value written as text in ``column`` of row ``i``; whether there was one."""
+    if not is_missing_value(text):
+        return False
+    problems.add(i, column, f"{text.strip()!r} is a missing value written as text, not a {column.rstrip('s')} name: "
+                 f"{leave_empty}")
+    return True
+
+
+def resolved_paths(paths: Sequence[str | os.PathLike]) -> list[str]:
+    """Every path with its symbolic links followed (``os.path.realpath``), each folder resolved once (one
+    ``lstat`` per file for a link in the file name itself): two paths of one file give one string. Missing files
+    resolve as far as their folders exist."""
+    folders: dict[str, str] = {}
+    out = []
+    for path in paths:
+        text = os.fspath(path)
+        text = text if os.path.isabs(text) else os.path.join(os.getcwd(), text)
+        head, tail = os.path.split(text)
+        if tail in ("", ".", ".."):
+            out.append(os.path.realpath(text))
+            continue
+        real = folders.get(head)
+        if real is None:
+            real = folders[head] = os.path.realpath(head)
+        candidate = os.path.join(real, tail)
+        out.append(os.path.realpath(candidate) if os.path.islink(candidate) else candidate)
+    return out
+
+
 def _flag(text: str) -> bool | None:
     lowered = text.strip().lower()
     if lowered in _TRUE:
@@ -326,19 +371,29 @@ def parse_image_table(
         if boxes is not None:
             boxes[i] = _box(cells, i, problems)
 
+    for name in ("category", "sequence"):
+        if name in present:
+            for i, text in enumerate(cells[name]):
+                _missing_value(i, name, text, problems, f"leave the cell empty for a row without a {name}")
     category = [normalise_name(v) or None for v in cells["category"]] if "category" in present else [None] * n
     sequence = [normalise_name(v) or None for v in cells["sequence"]] if "sequence" in present else [None] * n
     problems.raise_if_any()
 
-    # the same file and box twice: one item listed twice, counted twice by every metric
+    # the same file and box twice (also through a symbolic link): one item listed twice, counted twice by every metric
     first: dict[tuple, int] = {}
-    for i, path in enumerate(paths):
-        key = (os.path.normpath(path), None if boxes is None or np.isnan(boxes[i, 0]) else tuple(boxes[i]))
-        if key in first:
+    for i, (path, real) in enumerate(zip(paths, resolved_paths(paths))):
+        key = (real, None if boxes is None or np.isnan(boxes[i, 0]) else tuple(boxes[i]))
+        if key not in first:
+            first[key] = i
+            continue
+        other = paths[first[key]]
+        if os.path.normpath(other) == os.path.normpath(path):
             problems.add(i, "path", f"{path} is listed again (first at {raw.where(first[key])}) with the same box; "
                          "every image (or box of an image) must be listed once")
         else:
-            first[key] = i
+            problems.add(i, "path", f"{path} is the file {other} of {raw.where(first[key])} (both resolve to {real}, "
+                         "through a symbolic link) with the same box; every image (or box of an image) must be listed "
+                         "once")
     if check_files:
         for i, path in enumerate(paths):
             if not path.is_file():
@@ -354,10 +409,18 @@ def parse_image_table(
 
 
 def _label_set(cells: dict[str, list[str]], i: int, present: set[str], evaluated: bool, problems: Problems) -> tuple[str, ...]:
+    empty = ("leave the cell empty for an item without a label" if evaluated
+             else "every training item needs a class")
     label = normalise_name(cells["label"][i]) if "label" in present else ""
+    if label and _missing_value(i, "label", label, problems, empty):
+        return ()
     names: tuple[str, ...] = (label,) if label else ()
     if "labels" in present and cells["labels"][i]:
         text = cells["labels"][i]
+        if is_missing_value(text) or any(is_missing_value(p) for p in text.split(LABEL_SEPARATOR)):
+            problems.add(i, "labels", f"{text!r} holds a missing value written as text, not a label name: "
+                         f"{empty if evaluated else 'give the row its labels'}")
+            return names
         if any(c in text for c in "[]{}(),"):
             problems.add(i, "labels", f"unparsable label set {text!r}: write the labels separated by "
                          f"'{LABEL_SEPARATOR}' (e.g. 12;40)")
@@ -518,6 +581,7 @@ __all__ = [
     "COLUMNS",
     "ImageTable",
     "LABEL_SEPARATOR",
+    "MISSING_VALUES",
     "RawTable",
     "SPLITS",
     "TableError",
@@ -525,8 +589,10 @@ __all__ = [
     "encode_label_sets",
     "encode_names",
     "image_sizes",
+    "is_missing_value",
     "normalise_name",
     "parse_image_table",
     "queries_without_relevant_item",
     "read_raw_table",
+    "resolved_paths",
 ]
