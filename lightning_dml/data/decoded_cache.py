@@ -29,6 +29,16 @@ downloads do), so the processes and nodes of a job build it once and the others 
 file is written under a temporary name and the index is written last (atomically), so a crash never leaves a
 half-written cache that looks complete.
 
+Freshness is path + size + mtime: a file rewritten with the same size and mtime is not seen. ``content_check=True``
+(or ``$LIGHTNING_DML_CACHE_CHECK=content``, which the data modules' caches follow) records each source file's sha256
+at the build and compares them at every open (a full read of the data set each time).
+
+Concurrent runs: every build has its own data file name, and every process holds the data file of its views (open,
+with a shared ``flock``; :class:`_ReaderHold`) from :func:`open_decoded_cache` until its views are gone. A rebuild
+removes an older data file only when it can take the exclusive lock, i.e. when no process holds it; one still read
+is removed by a later open that finds it unused. A job that opened the cache before another run rebuilt it reads
+the build it opened, without error.
+
 An image that fails to decode is recorded with its reason (the file's size and mtime with it): reading it raises
 an ``OSError`` naming the reason, which the dataset turns into the same
 :class:`~lightning_dml.data.image_list.CorruptImageError` (or, with ``on_corrupt="skip"``, the same replacement)
