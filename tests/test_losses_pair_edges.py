@@ -86,15 +86,10 @@ def test_the_closed_form_is_the_default_path_and_says_so(cls, monkeypatch):
     assert len(calls) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: the one-factor neighbour softmax forms exp(a S - a shift) with torch.add(alpha=a), a fused "
-    "multiply-add: at a = 2e30 (fp32) a row's largest entry gets an exponent of about +-a * 2**-24 instead of 0, "
-    "so its sum is 0 or inf and the loss NaN; forming exp(a (S - shift)) (the two-factor path) fixes it",
-)
 def test_nca_closed_form_at_an_extreme_scale_equals_the_autograd_path():
     """NCA at ``s = 1e30`` (fp32): ``-log p_i = 2 s (max_N S - max_P S)`` to float precision, finite (6.7e29 here),
-    on both paths."""
+    on both paths. (Issue 26: the exponents were formed as ``a S - a shift`` in one fused multiply-add, whose
+    rounding of ``a shift`` alone, ~1e23, sent a row's largest entry to e^(+-1e23): NaN.)"""
     e = torch.eye(4)
     z = torch.stack([e[0], 0.9 * e[0] + 0.1 * e[1], e[1], 0.8 * e[1] + 0.2 * e[2], e[3], -e[3]])
     y = torch.tensor([0, 0, 1, 1, 2, 2])
@@ -180,13 +175,9 @@ def test_npair_eq9_saturated_at_huge_magnitude_is_zero():
     assert NPairLoss(l2_reg=0.0, variant="multi_positive")(z, y).item() == 0.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: with the scale squared beyond the float range the neighbour softmax's backward multiplies "
-    "grad / sum by both factors before the entries cancel (e_ij = 0 times s * s = inf): NaN gradient where the "
-    "value is finite (0); applying the factors to W after forming it would give 0",
-)
 def test_npair_eq9_saturated_at_huge_magnitude_has_zero_gradient():
+    """The scale squared is beyond the float range: the backward forms ``W = dL/dl`` (here exactly 0) before
+    applying the factors (issue 26: ``grad / sum`` times ``s * s`` first gave ``0 * inf``: a NaN gradient)."""
     z, y = _saturated_eq9_batch()
     value, grad = _value_and_grad(lambda t: NPairLoss(l2_reg=0.0, variant="multi_positive")(t, y), z)
     assert value.item() == 0.0
@@ -279,3 +270,92 @@ def test_npair_eq9_uses_raw_inner_products_beyond_one():
     want, want_grad = _value_and_grad(lambda e: R.npair_multi_positive(e, y, 0.01), z)
     torch.testing.assert_close(value, want, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(grad, want_grad, rtol=1e-7, atol=1e-9)
+
+
+def _mp_npair(z, y, variant: str, symmetric: bool = False, l2_reg: float = 0.0):
+    """``(value, gradient)`` in float64 of N-pair Eq. 7 (``"mc"``) / Eq. 8 (``"ovo"``) with its regulariser,
+    computed in mpmath (60 digits, unbounded exponents) from the definition on the pairs of ``npair_indices``."""
+    import mpmath
+
+    from lightning_dml.losses.npair import npair_indices
+
+    a_idx, p_idx = (t.tolist() for t in npair_indices(y))
+    n, d = len(a_idx), z.shape[1]
+    with mpmath.workdps(60):
+        rows = [[mpmath.mpf(v) for v in row] for row in z.double().tolist()]
+        a, p = [rows[i] for i in a_idx], [rows[i] for i in p_idx]
+        logit = [[mpmath.fsum(u * v for u, v in zip(a[i], p[j])) for j in range(n)] for i in range(n)]
+
+        def one_direction(m):  # value and dL/dm of one direction, m[i][j] the logits
+            value, g = mpmath.mpf(0), [[mpmath.mpf(0)] * n for _ in range(n)]
+            for i in range(n):
+                diff = [m[i][j] - m[i][i] for j in range(n)]
+                if variant == "mc":
+                    top = max(diff)
+                    e = [mpmath.exp(v - top) for v in diff]
+                    value += top + mpmath.log(mpmath.fsum(e))
+                    for j in range(n):
+                        g[i][j] += e[j] / mpmath.fsum(e) / n
+                    g[i][i] -= mpmath.mpf(1) / n
+                else:
+                    for j in range(n):
+                        if j != i:
+                            value += mpmath.log1p(mpmath.exp(diff[j])) if diff[j] < 0 else (
+                                diff[j] + mpmath.log1p(mpmath.exp(-diff[j])))
+                            sig = 1 / (1 + mpmath.exp(-diff[j]))
+                            g[i][j] += sig / n
+                            g[i][i] -= sig / n
+            return value / n, g
+
+        value, g = one_direction(logit)
+        if symmetric:
+            value_t, g_t = one_direction([list(col) for col in zip(*logit)])
+            value = (value + value_t) / 2
+            g = [[(g[i][j] + g_t[j][i]) / 2 for j in range(n)] for i in range(n)]
+        grad = [[mpmath.mpf(0)] * d for _ in rows]
+        for i in range(n):
+            for j in range(n):
+                for k in range(d):
+                    grad[a_idx[i]][k] += g[i][j] * p[j][k]
+                    grad[p_idx[j]][k] += g[i][j] * a[i][k]
+        if l2_reg:
+            value += l2_reg * (mpmath.fsum(mpmath.fsum(v * v for v in r) for r in a)
+                               + mpmath.fsum(mpmath.fsum(v * v for v in r) for r in p)) / (2 * n)
+            for idx in (a_idx, p_idx):
+                for i in idx:
+                    for k in range(d):
+                        grad[i][k] += l2_reg * rows[i][k] / n
+        return (torch.tensor(float(value), dtype=torch.float64),
+                torch.tensor([[float(v) for v in r] for r in grad], dtype=torch.float64))
+
+
+def _npair_clustered(seed: int):
+    """A trained-like fp64 batch of 8 classes of 2 (the N-pair batch), clusters around 0.7 / 0.45 cosines."""
+    from tests.test_losses_trained_like import trained_like_batch
+
+    return trained_like_batch(seed, 0.7, 0.45, classes=8, per_class=2, dim=8)
+
+
+#: (variant, symmetric, l2_reg, c2): the batch is scaled by sqrt(c2) 2**exponent, c2 chosen so that at 2**510 every
+#: row's term is below fp64's maximum and their sum beyond it
+NPAIR_EDGE_CASES = [("mc", False, 0.0, 2.0), ("mc", True, 0.005, 2.0), ("ovo", False, 0.0, 0.8),
+                    ("ovo", True, 0.005, 0.8)]
+
+
+@pytest.mark.parametrize("variant, symmetric, l2_reg, c2", NPAIR_EDGE_CASES)
+@pytest.mark.parametrize("exponent", [0, 508, 510])
+def test_npair_mc_ovo_on_clustered_data_up_to_the_edge_of_fp64(variant, symmetric, l2_reg, c2, exponent):
+    """N-pair Eqs. 7-8 on a trained-like batch scaled by ``sqrt(c2) 2**exponent`` (fp64): the mpmath reference's
+    value and gradient. At ``2**510`` the rows' terms are ~1e307 to ~1.6e308 and their sum is beyond fp64 (issue
+    26: the mean summed them first), and the logits' scale ``s**2`` is beyond fp64: the regulariser's gradient,
+    ``s * s`` times that of ``mean ||x||**2``, is finite only with the loss's incoming gradient divided by ``s``."""
+    z, y = _npair_clustered(4)
+    z = z * math.sqrt(c2) * 2.0**exponent
+    zz = z.clone().requires_grad_(True)
+    value = NPairLoss(l2_reg=l2_reg, symmetric=symmetric, variant=variant)(zz, y)
+    (grad,) = torch.autograd.grad(value, zz)
+    want, want_grad = _mp_npair(z, y, variant, symmetric, l2_reg)
+    if exponent == 510:
+        assert 1e307 < float(want) < 1.7e308
+    torch.testing.assert_close(value, want, rtol=1e-9, atol=0.0)
+    torch.testing.assert_close(grad, want_grad, rtol=1e-9, atol=1e-9 * float(want_grad.abs().max()))

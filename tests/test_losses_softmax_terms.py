@@ -241,14 +241,10 @@ def _huge_rows(exponent: int):
     return z0 * 2.0**exponent, torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: with one factor a (N-pair Eq. 9 at entries near 2**511, a = 2**1022) the forward forms "
-    "a S - a shift, whose terms overflow fp64 (inf - inf): an anchor's lse is NaN/-inf and the loss -inf; "
-    "forming a (S - shift) (the two-factor path) fixes it",
-)
 def test_npair_eq9_per_anchor_terms_at_the_edge_of_fp64():
-    """``-log p_i >= 0`` (``p_i`` a probability) and, with every softmax saturated, homogeneous of degree 2 in
+    """One factor ``a = 2**1022`` (N-pair Eq. 9 at entries near ``2**511``): ``a S`` alone overflows fp64, so the
+    exponents are formed as ``a (S - shift)`` (issue 26: ``a S - a shift`` gave ``inf - inf``, a NaN / -inf lse).
+    ``-log p_i >= 0`` (``p_i`` a probability) and, with every softmax saturated, homogeneous of degree 2 in
     the embeddings: the terms at ``2 z`` are 4 times those at ``z``."""
     per_anchor = {}
     for exponent in (510, 511):
@@ -263,18 +259,210 @@ def test_npair_eq9_per_anchor_terms_at_the_edge_of_fp64():
     torch.testing.assert_close(per_anchor[511], 4.0 * per_anchor[510], rtol=1e-9, atol=0.0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: NPairLoss(variant='multi_positive') sums the per-anchor terms before dividing by their count, "
-    "so a mean below the fp64 range overflows to inf (and the one-factor forward gives -inf, see above); "
-    "dividing each term by the count first, and the fix above, give the true value",
-)
 def test_npair_eq9_loss_is_finite_where_the_true_mean_is():
-    """With every softmax saturated the loss is homogeneous of degree 2: at ``2 z`` it is 4 times that at ``z``
-    (about 2.7e307 here, finite in fp64)."""
+    """Each per-anchor term is divided by the count before the sum (issue 26: the sum of the terms overflowed fp64
+    where their mean does not). With every softmax saturated the loss is homogeneous of degree 2: at ``2 z`` it is
+    4 times that at ``z`` (about 2.7e307 here, finite in fp64)."""
     loss = NPairLoss(l2_reg=0.0, variant="multi_positive")
     z510, y = _huge_rows(510)
     z511, _ = _huge_rows(511)
     low, high = loss(z510, y), loss(z511, y)
     assert math.isfinite(float(high))
     torch.testing.assert_close(high, 4.0 * low, rtol=1e-9, atol=0.0)
+
+
+# ------------------------------------------------------------------------------------------- extremes (issue 26)
+# Trained-like clustered batches at scales near the float range's edge, against a reference computed in mpmath from
+# the losses' definitions (exponents unbounded, 60 digits: no overflow, no underflow, no cancellation to speak of).
+
+
+def _mp_neighbour_loss(z: torch.Tensor, y: torch.Tensor, kind: str, a: float = 1.0, l2_reg: float = 0.0):
+    """``(value, gradient)`` in float64 of a neighbour-softmax loss, computed in mpmath from its definition.
+
+    Logits ``l_ij = a x_i . x_j`` over the others ``j != i`` (``x = z`` for ``"eq9"``, N-pair Eq. 9; unit rows of
+    ``z`` otherwise), per-anchor terms over the anchors with a positive, averaged: ``"nca"`` / ``"eq9"``
+    ``-log p_i`` (NCA Eq. 2 with the constant of ``-s ||x_i - x_j||^2`` cancelled: ``a = 2 s``), ``"supcon"``
+    SupCon Eq. 2 ``lse_i - mean_P l_ip``; plus ``l2_reg`` times the mean squared norm of those anchors (``"eq9"``).
+    The gradient is the chain rule written out: ``dt_i/dl_ij`` (``p_ij - q_ij``, resp. ``p_ij - [j in P] / |P|``),
+    ``dl_ij/dx = a (x_j, x_i)`` and, for unit rows, the projection ``(I - x x^T) / ||z||``."""
+    import mpmath
+
+    with mpmath.workdps(60):
+        rows = [[mpmath.mpf(v) for v in row] for row in z.double().tolist()]
+        labels = y.tolist()
+        n, d = len(rows), len(rows[0])
+        norms = [mpmath.sqrt(mpmath.fsum(v * v for v in row)) for row in rows]
+        x = rows if kind == "eq9" else [[v / nr for v in row] for row, nr in zip(rows, norms)]
+        logit = [[a * mpmath.fsum(p * q for p, q in zip(x[i], x[j])) for j in range(n)] for i in range(n)]
+        anchors = [i for i in range(n) if any(labels[j] == labels[i] for j in range(n) if j != i)]
+        value = mpmath.mpf(0)
+        grad_x = [[mpmath.mpf(0)] * d for _ in range(n)]
+        for i in anchors:
+            others = [j for j in range(n) if j != i]
+            pos = [j for j in others if labels[j] == labels[i]]
+            top = max(logit[i][j] for j in others)
+            e = {j: mpmath.exp(logit[i][j] - top) for j in others}
+            den, num = mpmath.fsum(e.values()), mpmath.fsum(e[j] for j in pos)
+            if kind == "supcon":
+                value += mpmath.log(den) - mpmath.fsum(logit[i][j] - top for j in pos) / len(pos)
+                dt = {j: e[j] / den - (1 / mpmath.mpf(len(pos)) if j in pos else 0) for j in others}
+            else:
+                value += mpmath.log(den) - mpmath.log(num)
+                dt = {j: e[j] / den - (e[j] / num if j in pos else 0) for j in others}
+            for j in others:  # l_ij = a x_i . x_j
+                for k in range(d):
+                    grad_x[i][k] += a * dt[j] * x[j][k] / len(anchors)
+                    grad_x[j][k] += a * dt[j] * x[i][k] / len(anchors)
+        value /= len(anchors)
+        if l2_reg:
+            value += l2_reg * mpmath.fsum(mpmath.fsum(v * v for v in rows[i]) for i in anchors) / len(anchors)
+            for i in anchors:
+                for k in range(d):
+                    grad_x[i][k] += 2 * l2_reg * rows[i][k] / len(anchors)
+        if kind == "eq9":
+            grad = grad_x
+        else:  # through x = z / ||z||: (g - (g . x) x) / ||z||
+            grad = []
+            for g, xi, nr in zip(grad_x, x, norms):
+                dot = mpmath.fsum(p * q for p, q in zip(g, xi))
+                grad.append([(gk - dot * xk) / nr for gk, xk in zip(g, xi)])
+        return (torch.tensor(float(value), dtype=torch.float64),
+                torch.tensor([[float(v) for v in row] for row in grad], dtype=torch.float64))
+
+
+def _clustered(seed: int, pos_cos: float, neg_cos: float, classes: int = 6, per_class: int = 3, dim: int = 8):
+    from tests.test_losses_trained_like import trained_like_batch
+
+    return trained_like_batch(seed, pos_cos, neg_cos, classes=classes, per_class=per_class, dim=dim)
+
+
+def _tight_clusters(seed: int, classes: int = 6, per_class: int = 3, dim: int = 8):
+    """fp64 items ``3 (c_y + 0.1 noise)`` around orthonormal class centres: every item's largest inner product with
+    another item is with one of its class (by more than 5: checked), so a large enough scale saturates every
+    softmax of N-pair Eq. 9 on a positive."""
+    g = torch.Generator().manual_seed(seed)
+    centres, _ = torch.linalg.qr(torch.randn(dim, dim, generator=g, dtype=torch.float64))
+    y = torch.arange(classes).repeat_interleave(per_class)
+    z = 3.0 * (centres[:classes][y] + 0.1 * torch.randn(y.numel(), dim, generator=g, dtype=torch.float64))
+    s = z @ z.T
+    same = (y[:, None] == y[None, :]).fill_diagonal_(False)
+    other = ~same.clone().fill_diagonal_(True)
+    assert bool((s.masked_fill(~same, -math.inf).amax(1) > s.masked_fill(~other, -math.inf).amax(1) + 5).all())
+    return z, y
+
+
+def _assert_matches(value, grad, want, want_grad, rtol):
+    """Value and gradient equal to the reference (the same infinities; the gradient to ``rtol`` of its largest
+    entry, componentwise, or to the dtype's smallest normal number where the reference's are below it)."""
+    assert torch.isfinite(want) == torch.isfinite(value), (value, want)
+    torch.testing.assert_close(value.double(), want, rtol=rtol, atol=0.0)
+    if torch.isfinite(want):
+        assert torch.isfinite(grad).all()
+        atol = max(rtol * float(want_grad.abs().max()), torch.finfo(grad.dtype).tiny)
+        torch.testing.assert_close(grad.double(), want_grad, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("exponent", [0, 256, 509, 510, 511])
+def test_npair_eq9_on_clustered_data_up_to_the_edge_of_fp64(exponent):
+    """N-pair Eq. 9 on a trained-like batch scaled by ``2**exponent`` (fp64): the value and gradient of the
+    mpmath reference. From ``2**510`` the logits' scale ``s**2`` is ``2**1022`` (one factor, ``a S`` alone beyond
+    the range), at ``2**511`` it is beyond the range itself (two factors); the largest values are ~1e307, whose
+    sum over the anchors is not finite."""
+    z, y = _clustered(0, 0.7, 0.45)
+    z = z * 2.0**exponent
+    loss = NPairLoss(l2_reg=0.0, variant="multi_positive")
+    zz = z.clone().requires_grad_(True)
+    value = loss(zz, y)
+    (grad,) = torch.autograd.grad(value, zz)
+    want, want_grad = _mp_neighbour_loss(z, y, "eq9")
+    if exponent >= 510:
+        assert 1e306 < float(want) < 1.7e308  # near the edge, and finite
+    _assert_matches(value, grad, want, want_grad, rtol=1e-9)
+
+
+def test_npair_eq9_regulariser_at_the_edge_of_fp64():
+    """Tight clusters at ``2**511`` (every anchor's nearest item is a positive: the softmax part is exactly 0) with
+    ``l2_reg = 0.005``: ``s**2 mean ||x||**2`` is beyond fp64, ``l2_reg`` times it is not (~1e306): finite, and
+    equal to the reference with its gradient (~2**505: the gradient w.r.t. ``x / s``, ``s`` times that, is not
+    finite, so none is formed)."""
+    z, y = _tight_clusters(0)
+    z = z * 2.0**511
+    loss = NPairLoss(l2_reg=0.005, variant="multi_positive")
+    zz = z.clone().requires_grad_(True)
+    value = loss(zz, y)
+    (grad,) = torch.autograd.grad(value, zz)
+    want, want_grad = _mp_neighbour_loss(z, y, "eq9", l2_reg=0.005)
+    assert 1e305 < float(want) < 1.7e308
+    _assert_matches(value, grad, want, want_grad, rtol=1e-9)
+
+
+def test_npair_eq9_saturated_clusters_beyond_the_squared_range():
+    """Tight clusters at ``2**600`` (fp64, two factors): every ``p_i`` is 1 to double precision, so the value and
+    the gradient are exactly 0 (the reference's are ~e^(-2**1100))."""
+    z, y = _tight_clusters(1)
+    z = z * 2.0**600
+    zz = z.clone().requires_grad_(True)
+    value = NPairLoss(l2_reg=0.0, variant="multi_positive")(zz, y)
+    (grad,) = torch.autograd.grad(value, zz)
+    want, want_grad = _mp_neighbour_loss(z, y, "eq9")
+    assert float(want) == 0.0 and not want_grad.any()
+    assert value.item() == 0.0 and torch.equal(grad, torch.zeros_like(grad))
+
+
+#: fp32 scales from ordinary to the edge of the range: NCA's ``a = 2 s`` up to 1e38, SupCon's ``1 / tau`` up to 5e37
+EXTREME_FP32 = [("nca", 1.0), ("nca", 1e4), ("nca", 1e30), ("nca", 5e37),
+                ("supcon", 0.1), ("supcon", 1e-4), ("supcon", 1e-30), ("supcon", 2e-38)]
+
+
+@pytest.mark.parametrize("name, param", EXTREME_FP32, ids=[f"{n}-{p:g}" for n, p in EXTREME_FP32])
+@pytest.mark.parametrize("batch", ["at_lambda", "tight"])
+def test_fp32_clustered_batches_at_extreme_scales(name, param, batch):
+    """NCA and SupCon in fp32 on trained-like batches (6 classes of 4): the closed form's value and gradient equal
+    the mpmath reference to fp32 precision at every scale, finite up to logits of 1e38 (where the anchors' terms,
+    ~1e37 each, sum beyond fp32's range although their mean does not)."""
+    seed, pos_cos, neg_cos = {"at_lambda": (0, 0.7, 0.45), "tight": (2, 0.96, 0.8)}[batch]
+    z, y = _clustered(seed, pos_cos, neg_cos, classes=6, per_class=4, dim=8)
+    loss = NCALoss(scale=param) if name == "nca" else SupConLoss(temperature=param)
+    a = 2.0 * param if name == "nca" else 1.0 / param
+    zz = z.float().requires_grad_(True)
+    value = loss(zz, y)
+    (grad,) = torch.autograd.grad(value, zz)
+    want, want_grad = _mp_neighbour_loss(z.float(), y, name, a=a)
+    assert torch.isfinite(want)
+    _assert_matches(value, grad, want, want_grad, rtol=2e-4)
+
+
+@pytest.mark.parametrize("name", ["nca", "supcon"])
+def test_fp32_terms_whose_sum_overflows_have_a_finite_mean(name):
+    """Every anchor's nearest item is a negative (cosine ~1) and its positive points away (~-1): at logits of
+    ``1e38 S`` (NCA ``s = 5e37``, SupCon ``tau = 1e-38``) each anchor's term is ~2e38, finite in fp32, and their
+    sum (8e38) is not; the loss is their mean, equal to the reference with its gradient."""
+    g = torch.Generator().manual_seed(4)
+    e = torch.eye(4, dtype=torch.float64)
+    z = torch.stack([e[0], e[0], -e[0], -e[0], e[1], e[1], -e[1], -e[1]])
+    z = z + 0.01 * torch.randn(8, 4, generator=g, dtype=torch.float64)
+    y = torch.tensor([0, 1, 0, 1, 2, 3, 2, 3])
+    loss = NCALoss(scale=5e37) if name == "nca" else SupConLoss(temperature=1e-38)
+    zz = z.float().requires_grad_(True)
+    value = loss(zz, y)
+    (grad,) = torch.autograd.grad(value, zz)
+    want, want_grad = _mp_neighbour_loss(z.float(), y, name, a=1e38)
+    assert 1e38 < float(want) < 3e38
+    _assert_matches(value, grad, want, want_grad, rtol=2e-4)
+
+
+def test_supcon_fp32_positives_whose_sum_overflows():
+    """Anchors 0 and 3 have two positives pointing away (cosine ~-1) and a negative at cosine ~1: at
+    ``tau = 1e-38`` their positives' logits relative to the row maximum are ~-2e38 each, whose sum is beyond fp32;
+    SupCon Eq. 2 takes their mean (each divided by ``|P(i)|`` first): finite, equal to the reference."""
+    g = torch.Generator().manual_seed(6)
+    e = torch.eye(3, dtype=torch.float64)
+    z = torch.stack([e[0], -e[0], -e[0], e[0], -e[0], -e[0]]) + 0.01 * torch.randn(6, 3, generator=g,
+                                                                                   dtype=torch.float64)
+    y = torch.tensor([0, 0, 0, 1, 1, 1])
+    zz = z.float().requires_grad_(True)
+    value = SupConLoss(temperature=1e-38)(zz, y)
+    (grad,) = torch.autograd.grad(value, zz)
+    want, want_grad = _mp_neighbour_loss(z.float(), y, "supcon", a=1e38)
+    assert 1e38 < float(want) < 3e38
+    _assert_matches(value, grad, want, want_grad, rtol=2e-4)

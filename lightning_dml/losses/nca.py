@@ -7,7 +7,7 @@ from torch import Tensor
 
 from lightning_dml.losses.base import PairLoss, batch_normaliser, masked_lse
 from lightning_dml.losses.registry import register_loss
-from lightning_dml.losses.softmax_pairs import neighbour_log_probability, neighbour_softmax_terms
+from lightning_dml.losses.softmax_pairs import anchor_mean, neighbour_log_probability, neighbour_softmax_terms
 
 __all__ = ["NCALoss"]
 
@@ -74,8 +74,7 @@ class NCALoss(PairLoss):
     def _reduce(self, log_p: Tensor, valid: Tensor) -> Tensor:
         """The objective's mean over the anchors with a positive, from their ``log p_i``."""
         per_anchor = -log_p if self.objective == "log" else -torch.exp(log_p)
-        total = torch.where(valid, per_anchor, 0.0).sum()
-        return total / batch_normaliser(valid.sum(), total)
+        return anchor_mean(per_anchor, valid, batch_normaliser(valid.sum(), per_anchor))
 
     def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
         # -scale ||f_i - f_j||^2 = -scale (2 - 2 S_ij) on the unit sphere (S <= 1, so no clamp is needed)

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from lightning_dml.losses.base import PairLoss
 from lightning_dml.losses.registry import register_loss
-from lightning_dml.losses.softmax_pairs import neighbour_log_probability, neighbour_softmax_terms
+from lightning_dml.losses.softmax_pairs import anchor_mean, neighbour_log_probability, neighbour_softmax_terms
 from lightning_dml.scaling import common_power_of_two_scale
 
 __all__ = ["NPairLoss", "npair_indices"]
@@ -37,14 +37,31 @@ def npair_indices(labels: Tensor) -> tuple[Tensor, Tensor]:
     return order[first[has_pair]], order[second[has_pair]]
 
 
+class _OneWayScale(torch.autograd.Function):
+    """``x`` times ``value_factor`` in the forward, the gradient times ``grad_factor`` in the backward (powers of
+    two: both exact)."""
+
+    @staticmethod
+    def forward(ctx, x, value_factor: float, grad_factor: float):  # type: ignore[override]
+        ctx.grad_factor = grad_factor
+        return x * value_factor if value_factor != 1.0 else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad * ctx.grad_factor, None, None
+
+
 def scaled_for_inner_products(x: Tensor) -> tuple[Tensor, Tensor, float]:
     """``(x / s, s, float(s))``: ``x`` divided by a power of two ``s >= 1`` near its largest entry (exact), so that raw
     inner products ``(x/s)(x/s)^T`` cannot overflow; the caller multiplies differences of logits back by ``s``
-    twice. ``x`` itself (no copy) where ``s = 1``.
+    twice, and passes its loss through :func:`true_gradient_scale` with ``s``. ``x`` itself where ``s = 1``.
 
-    Raw inner products are not scale-invariant: entries of ``2**32`` and beyond would give gradients that overflow
-    fp32 intermediates (the gradient w.r.t. ``x/s`` is ``s`` times the true one), so such (degenerate) inputs are
-    computed in fp64 and the loss cast back (``inf`` where the true value exceeds fp32). One host read decides.
+    The gradient w.r.t. ``x/s`` is ``s`` times the one w.r.t. ``x``, which overflows where the true one does not
+    (fp64 entries beyond ``2**512``); so the division passes the gradient through unchanged and
+    :func:`true_gradient_scale` divides the loss's incoming gradient by ``s`` instead: every gradient w.r.t. the
+    scaled embeddings is then the true gradient w.r.t. the embeddings. Entries of ``2**32`` and beyond would still
+    overflow fp32 intermediates (the logits' gradients are ``s`` times the true ones), so such (degenerate) inputs
+    are computed in fp64 and the loss cast back (``inf`` where the true value exceeds fp32). One host read decides.
     """
     scale = common_power_of_two_scale(x).clamp(min=1.0)
     s = float(scale)  # the largest entry is in [s / 2, s) (or below 1 where s = 1)
@@ -52,7 +69,12 @@ def scaled_for_inner_products(x: Tensor) -> tuple[Tensor, Tensor, float]:
         x = x.double()
         scale = common_power_of_two_scale(x).clamp(min=1.0)
         s = float(scale)
-    return (x if s == 1.0 else x / scale), scale, s
+    return (x if s == 1.0 else _OneWayScale.apply(x, 1.0 / s, 1.0)), scale, s
+
+
+def true_gradient_scale(loss: Tensor, s: float) -> Tensor:
+    """``loss`` itself, its incoming gradient divided by ``s`` (see :func:`scaled_for_inner_products`)."""
+    return loss if s == 1.0 else _OneWayScale.apply(loss, 1.0, 1.0 / s)
 
 
 @register_loss("npair")
@@ -79,9 +101,11 @@ class NPairLoss(PairLoss):
 
     Degenerate batches: no class with two samples -> 0; a single pair (N = 1) -> only the regulariser
     (``"multi_positive"``: a single-class batch gives 0 plus the regulariser).
-    Embeddings of any magnitude give the true value (``inf`` where it exceeds the float range, never NaN) and,
-    where the value is finite, the true gradient: logits are formed from embeddings divided by a power of two,
-    and entries beyond ``2**32`` are computed in fp64.
+    Embeddings of any magnitude give the true value (``inf`` where it, or one anchor's (row's) term of its mean,
+    exceeds the float range; never NaN) and, where the value is finite, the true gradient: logits are formed from
+    embeddings divided by a power of two (their gradient is not multiplied back: see
+    :func:`scaled_for_inner_products`), every mean divides its terms before summing them, and entries beyond
+    ``2**32`` are computed in fp64.
     """
 
     normalize = False
@@ -117,11 +141,13 @@ class NPairLoss(PairLoss):
         beyond the float range gives an infinite loss, never ``inf - inf``), in two steps of ``scale`` (exact).
         """
         diff = (logits - logits.diagonal()[:, None]) * scale * scale
+        n = logits.shape[0]
+        # means with each term divided first: a sum beyond the float range whose mean is not stays finite
         if self.variant == "mc":
             # cross-entropy with target i = log sum_j exp(l_ij - l_ii) (the j = i term is exp(0) = 1)
-            return torch.logsumexp(diff, dim=1).mean()
-        off = ~torch.eye(logits.shape[0], dtype=torch.bool, device=logits.device)
-        return F.softplus(diff).masked_fill(~off, 0.0).sum(1).mean()
+            return (torch.logsumexp(diff, dim=1) / n).sum()
+        off = ~torch.eye(n, dtype=torch.bool, device=logits.device)
+        return (F.softplus(diff).masked_fill(~off, 0.0) / n).sum()
 
     def _multi_positive(self, anchors: Tensor, labels: Tensor) -> Tensor:
         """Eq. 9 over every anchor with a positive, overflow-safe as the other variants (see ``compute``)."""
@@ -135,11 +161,11 @@ class NPairLoss(PairLoss):
         if not bool(valid.any()):
             return anchors.sum() * 0.0
         log_p = neighbour_log_probability(lse, positives, pos, labels.numel())
-        loss = torch.where(valid, -log_p, 0.0).sum() / valid.sum()
-        if self.l2_reg > 0:
-            squared_norms = (x.pow(2).sum(dim=1) * valid).sum() / valid.sum()
-            loss = loss + squared_norms * scale * scale * self.l2_reg
-        return loss.to(anchors.dtype)
+        count = valid.sum()
+        loss = anchor_mean(-log_p, valid, count)
+        if self.l2_reg > 0:  # the coefficient before the scale: s^2 mean ||x||^2 may exceed the range, l2_reg times not
+            loss = loss + anchor_mean(x.pow(2).sum(dim=1), valid, count) * self.l2_reg * scale * scale
+        return true_gradient_scale(loss, s).to(anchors.dtype)
 
     def compute(self, anchors: Tensor, labels: Tensor, gallery: Tensor | None, gallery_labels: Tensor) -> Tensor:
         if self.variant == "multi_positive":
@@ -149,13 +175,13 @@ class NPairLoss(PairLoss):
             return anchors.sum() * 0.0
         n = a_idx.shape[0]
         both = anchors[torch.cat([a_idx, p_idx])]  # one gather (one scatter in the backward)
-        both, scale, _ = scaled_for_inner_products(both)
+        both, scale, s = scaled_for_inner_products(both)
         a, p = both[:n], both[n:]
         logits = a @ p.T
         loss = self._one_direction(logits, scale)
-        if self.symmetric:
-            loss = 0.5 * (loss + self._one_direction(logits.T, scale))
+        if self.symmetric:  # halves first (each may be near the float maximum)
+            loss = 0.5 * loss + 0.5 * self._one_direction(logits.T, scale)
         if self.l2_reg > 0:
-            squared_norms = 0.5 * (a.pow(2).sum(1).mean() + p.pow(2).sum(1).mean())
-            loss = loss + squared_norms * scale * scale * self.l2_reg
-        return loss.to(anchors.dtype)
+            squared_norms = 0.5 * a.pow(2).sum(1).mean() + 0.5 * p.pow(2).sum(1).mean()
+            loss = loss + squared_norms * self.l2_reg * scale * scale
+        return true_gradient_scale(loss, s).to(anchors.dtype)

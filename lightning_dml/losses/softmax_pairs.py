@@ -10,6 +10,10 @@ positives' gradients scattered into their ``K`` entries. When the gallery is the
 logits lie within ``60`` of each other (always for SupCon / NCA at their defaults), one shift for all rows keeps
 ``e^{l_ij - M}`` symmetric, so ``W + W^T`` is formed from ``e`` with two element-wise passes (no transposed read)
 and the backward is a single ``B x B x D`` product.
+
+At any scale: the exponents are formed as ``a (S_ij - shift)`` (never ``a S_ij``, which overflows), ``W`` is formed
+without ``a`` and the scale applied to the ``[B, D]`` products factor by factor (``a`` may be given as factors whose
+product is beyond the float range), and :func:`anchor_mean` divides the anchors' terms before summing them.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from torch import Tensor
 from lightning_dml.losses.base import masked_lse
 from lightning_dml.miners.mining import positive_table
 
-__all__ = ["neighbour_softmax_terms", "neighbour_log_probability"]
+__all__ = ["anchor_mean", "neighbour_softmax_terms", "neighbour_log_probability"]
 
 #: largest spread of the rows' largest logits for which one common shift keeps every row's sum a normal number
 _COMMON_SHIFT_SPREAD = 60.0
@@ -70,11 +74,11 @@ class _NeighbourSoftmax(torch.autograd.Function):
         positives = _scaled(raw.gather(1, cols) - ref[:, None], a)
         common = gallery is None and out_of_range is None and spread <= _COMMON_SHIFT_SPREAD
         shift = ref.amax() if common else ref[:, None]
-        # e_ij = exp(a (S_ij - shift)), in place (one pass for one factor); the self-pairs are exp(-inf) = 0
-        if len(a) == 1:
-            e = torch.add(shift * -a[0], raw, alpha=a[0], out=raw).exp_()
-        else:
-            e = _scaled(raw.sub_(shift), a).exp_()
+        # e_ij = exp(a (S_ij - shift)), in place; the self-pairs are exp(-inf) = 0. The difference is formed before
+        # the scale (not a S - a shift, one fused pass): the largest entry of a row is then exactly e^0 = 1 and no
+        # term can overflow, at any scale (a S alone overflows fp64 at a = 2**1022, and at a = 2e30 in fp32 the
+        # rounding of a * shift alone is ~1e23, far beyond exp's range)
+        e = _scaled(raw.sub_(shift), a).exp_()
         sums = e.sum(dim=1)
         lse = torch.log(sums)
         if common:
@@ -91,23 +95,26 @@ class _NeighbourSoftmax(torch.autograd.Function):
         anchors, gallery, rows, cols, valid = ctx.saved_tensors
         e, sums, out_of_range, a = ctx.e, ctx.sums, ctx.out_of_range, ctx.a
         ctx.e = None
-        # dL/dS_ij = a (g_i e_ij / sum_i + positives' gradients)
-        u = torch.where(sums > 0, _scaled(grad_lse / sums.clamp(min=torch.finfo(sums.dtype).tiny), a), 0.0)
-        vals = _scaled(torch.where(valid, grad_pos, 0.0), a)
+        # dL/dS_ij = a W_ij with W_ij = dL/dl_ij = g_i e_ij / sum_i + the positives' gradients. The scale is applied
+        # to the [B, D] products, factor by factor, after W is formed: W's entries are bounded by the incoming
+        # gradients, whereas a * g_i / sum_i overflows where a does (a = s * s beyond the float range), and its
+        # inf times a vanishing e_ij, or against a positive's -inf, is NaN where the true gradient is 0
+        u = torch.where(sums > 0, grad_lse / sums.clamp(min=torch.finfo(sums.dtype).tiny), 0.0)
+        vals = torch.where(valid, grad_pos, 0.0)
         if ctx.common:
             # W + W^T with e symmetric: e_ij (u_i + u_j), plus the positives' entries and their transposes
             w = e.mul_(u[:, None] + u[None, :])
             w.index_put_((rows, cols), vals, accumulate=True)
             w.index_put_((cols, rows), vals, accumulate=True)
-            return w @ anchors, None, None, None, None, None, None
+            return _scaled(w @ anchors, a), None, None, None, None, None, None
         w = e.mul_(u[:, None])
         w.index_put_((rows, cols), vals, accumulate=True)
         if out_of_range is not None:
             w.masked_fill_(out_of_range, 0.0)
         if gallery is None:
-            return torch.addmm(w @ anchors, w.T, anchors), None, None, None, None, None, None
-        grad_a = w @ gallery if ctx.needs_input_grad[0] else None
-        grad_g = w.T @ anchors if ctx.needs_input_grad[1] else None
+            return _scaled(torch.addmm(w @ anchors, w.T, anchors), a), None, None, None, None, None, None
+        grad_a = _scaled(w @ gallery, a) if ctx.needs_input_grad[0] else None
+        grad_g = _scaled(w.T @ anchors, a) if ctx.needs_input_grad[1] else None
         return grad_a, grad_g, None, None, None, None, None
 
 
@@ -152,3 +159,10 @@ def neighbour_log_probability(lse: Tensor, positives: Tensor, pos: Tensor, num_g
     # an anchor without positives sums zeros instead (finite; its term is masked out by the caller)
     log_pos = masked_lse(torch.where(pos, positives, 0.0), pos | ~has_pos[:, None])
     return torch.where(count == num_gallery - 1, 0.0, torch.where(has_pos, log_pos - lse, -math.inf))
+
+
+def anchor_mean(terms: Tensor, valid: Tensor, count: Tensor) -> Tensor:
+    """``sum_{i: valid_i} terms_i / count``, each term divided before the sum, so that terms whose sum exceeds the
+    float range but whose mean does not (logits near the float maximum: N-pair Eq. 9 on huge embeddings, NCA /
+    SupCon at extreme scales) give the finite mean; the terms outside ``valid`` (and their gradient) are dropped."""
+    return (torch.where(valid, terms, 0.0) / count).sum()

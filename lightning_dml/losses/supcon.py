@@ -7,7 +7,7 @@ from torch import Tensor
 
 from lightning_dml.losses.base import batch_normaliser, masked_lse
 from lightning_dml.losses.registry import register_loss
-from lightning_dml.losses.softmax_pairs import neighbour_softmax_terms
+from lightning_dml.losses.softmax_pairs import anchor_mean, neighbour_softmax_terms
 from lightning_dml.losses.temperature import TemperaturePairLoss
 
 __all__ = ["SupConLoss"]
@@ -58,9 +58,9 @@ class SupConLoss(TemperaturePairLoss):
         lse, positives, pos = neighbour_softmax_terms(anchors, labels, gallery, gallery_labels, 1.0 / self.temperature)
         count = pos.sum(dim=1)
         valid = count > 0
-        per_anchor = lse - torch.where(pos, positives, 0.0).sum(dim=1) / count.clamp(min=1)
-        total = torch.where(valid, per_anchor, 0.0).sum()
-        return total / batch_normaliser(valid.sum(), total)
+        # the mean over the positives with each term divided first (as anchor_mean: no overflow of the sum)
+        per_anchor = lse - (torch.where(pos, positives, 0.0) / count.clamp(min=1)[:, None]).sum(dim=1)
+        return anchor_mean(per_anchor, valid, batch_normaliser(valid.sum(), per_anchor))
 
     def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
         logits = sim / self.temperature
@@ -68,6 +68,6 @@ class SupConLoss(TemperaturePairLoss):
         # rows without positives get a full (finite) denominator; their term is masked out
         log_denominator = masked_lse(logits, pos | neg | ~valid[:, None])
         # -1/|P| sum_P log(e^{l_ip} / sum_A e^{l_ia}) = log sum_A e^{l_ia} - mean_P l_ip
-        per_anchor = log_denominator - torch.where(pos, logits, 0.0).sum(dim=1) / pos.sum(dim=1).clamp(min=1)
-        total = torch.where(valid, per_anchor, 0.0).sum()
-        return total / batch_normaliser(valid.sum(), total)
+        count = pos.sum(dim=1, keepdim=True).clamp(min=1)
+        per_anchor = log_denominator - (torch.where(pos, logits, 0.0) / count).sum(dim=1)
+        return anchor_mean(per_anchor, valid, batch_normaliser(valid.sum(), per_anchor))
