@@ -30,7 +30,7 @@ import torch
 
 from lightning_dml.errors import UserInputError
 
-__all__ = ["build_parser", "main", "search_images"]
+__all__ = ["build_parser", "main", "search_embeddings", "search_images"]
 
 #: most results a query may ask for
 MAX_K = 10_000
@@ -63,18 +63,24 @@ def search_images(index, images: Sequence, k: int, rerank: str | None = None, cu
     """Result lists of images (paths or PIL images): embedded in batches of ``batch_size``, searched, re-ranked
     (``rerank``: a ``--rerank`` text), cut (``cut``: a :class:`~lightning_dml.index.cut.SearchCut`); one list of
     ``{"id", "path", "label", "score"}`` per image, best first. ``lightning-dml serve`` answers with it too."""
-    from lightning_dml.index.rerank import parse_rerank, rerank_search
-
-    reranker = parse_rerank(rerank)
     out: list[list[dict]] = []
     for start in range(0, len(images), batch_size):
         with torch.no_grad():
             queries = index.embed_images(images[start : start + batch_size])
-        scores, ids = rerank_search(index, queries, k, reranker)
-        if cut:
-            scores, ids = cut.apply(scores, ids)
-        out.extend(index.results(scores, ids))
+        out.extend(search_embeddings(index, queries, k, rerank, cut))
     return out
+
+
+def search_embeddings(index, queries: torch.Tensor, k: int, rerank: str | None = None, cut=None) -> list[list[dict]]:
+    """Result lists of raw query embeddings ``[Q, D]`` of the index's model: searched, re-ranked (``rerank``: a
+    ``--rerank`` text; its ``candidates`` and ``n`` clamped to the index's size), cut (``cut``); one list of
+    ``{"id", "path", "label", "score"}`` per query, best first (what :func:`search_images` does after embedding)."""
+    from lightning_dml.index.rerank import parse_rerank, rerank_search
+
+    scores, ids = rerank_search(index, queries, k, parse_rerank(rerank))
+    if cut:
+        scores, ids = cut.apply(scores, ids)
+    return index.results(scores, ids)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

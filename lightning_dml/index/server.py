@@ -4,6 +4,7 @@
 
     lightning-dml serve --index DIR --port 8000 [--host 127.0.0.1] [--k 10] [--max_batch_size 8]
         [--batch_timeout 0.01] [--rerank SPEC] [--threshold T] [--adaptive N] [--max_image_bytes BYTES]
+        [--max_image_pixels PIXELS] [--max_batch_bytes BYTES] [--max_batch_pixels PIXELS] [--body_timeout S]
 
 Endpoints:
 
@@ -15,22 +16,36 @@ Endpoints:
 * A batch: ``POST /search?k=K`` with ``Content-Type: application/json`` and the body ``{"images": [BASE64, ...]}``
   (each a base64-encoded JPEG or PNG file, at most ``MAX_BATCH_IMAGES``) answers ``{"batch": [{"results": [...]},
   ...]}`` in the order given.
-* ``GET /health`` answers 200 (``ok``) once the index is loaded.
+* ``GET /health`` answers 200 (``ok``) once the model worker has loaded the index and its model (503 before);
+  ``GET /info`` (LitServe's: the server's devices, workers, timeout) and ``GET /`` are LitServe's own; the OpenAPI
+  schema (``/openapi.json``) and the Swagger UI (``/docs``) are switched off.
+
+Bounds, all checked before the model runs (:class:`RequestLimits`; the ``serve`` options of the same names): an
+image file is at most ``max_image_bytes`` and ``max_image_pixels`` (width x height as its header declares it,
+read before anything is decoded), a JSON batch at most ``MAX_BATCH_IMAGES`` images, ``max_batch_bytes`` of image
+files and ``max_batch_pixels`` in total; the body limit follows from them (the raw body: ``max_image_bytes``; a
+JSON body: the base64 size of ``max_batch_bytes`` plus ``JSON_OVERHEAD`` per image and ``JSON_SLACK``); the body
+must arrive within ``body_timeout`` seconds; ``k`` is at most ``MAX_K`` and a re-ranking's ``candidates`` at most
+``MAX_K`` too (its other options within :data:`~lightning_dml.index.rerank.RERANK_LIMITS`; ``candidates`` and ``n``
+are clamped to the gallery size, :meth:`~lightning_dml.index.rerank.Reranker.search`).
 
 Bad requests get a 4xx JSON answer ``{"error": "..."}`` naming the problem, and never reach the model, so one bad
 request never fails the requests batched with it and the server keeps serving: wrong ``Content-Type`` (415), an
-empty body (400), a body over ``--max_image_bytes`` (default 10 MiB, per image; 413), a body that is not an image
-(400), a corrupt or truncated image (400), an image format other than JPEG/PNG (415), an image over PIL's
-decompression-bomb limit (413), a bad query parameter (400: ``k`` outside ``1..MAX_K``, a bad ``rerank`` /
-``threshold`` / ``adaptive``), a bad JSON batch (400). The checks run in :class:`SearchRequestMiddleware` (an ASGI
-middleware given to ``LitServer(middlewares=...)``), which also turns the raw image body into the JSON payload
-LitServe's request handler reads; decoding runs in a thread, off the event loop.
+empty body (400), a body over its limit (413), a body that does not arrive in time (408), a body that is not an
+image (400), a corrupt or truncated image (400), an image format other than JPEG/PNG (415), an image over the pixel
+limits (413), a bad query parameter (400: ``k`` outside ``1..MAX_K``, a bad ``rerank`` / ``threshold`` /
+``adaptive``), a bad JSON batch (400, also one nested too deeply). The checks run in
+:class:`SearchRequestMiddleware` (an ASGI middleware given to ``LitServer(middlewares=...)``), which also turns the
+raw image body into the JSON payload LitServe's request handler reads; decoding runs in a thread, off the event
+loop, at most ``DECODE_SLOTS`` images at a time per API server process. Should a search still fail in the model
+worker, only the requests of the failing option group get a 500 JSON error; the others of the batch are answered.
 
 Request batching: LitServe collects up to ``--max_batch_size`` requests (waiting at most ``--batch_timeout``
 seconds) and :class:`SearchAPI` embeds and searches the requests with the same options (``k``, ``rerank``,
-``threshold``, ``adaptive``) together. Batching never changes an answer: the embedding of an image does not depend on the
-others in its batch (eval mode), nor does a search, re-ranking (each query's own universe) or cut (each query's own
-gaps).
+``threshold``, ``adaptive``) together. Each image is decoded and turned into the model's input (resized and
+cropped) one at a time, so a batch holds one full-size image at a time. Batching never changes an answer: the
+embedding of an image does not depend on the others in its batch (eval mode), nor does a search, re-ranking (each
+query's own universe) or cut (each query's own gaps).
 """
 
 from __future__ import annotations
@@ -41,11 +56,14 @@ import base64
 import binascii
 import io
 import json
+import math
 import os
 import signal
 import sys
+import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -53,12 +71,26 @@ from lightning_dml.errors import UserInputError
 from lightning_dml.index.cut import CutOptionError, SearchCut
 from lightning_dml.index.rerank import RerankOptionError, parse_rerank
 
-#: Largest accepted image body in bytes (``--max_image_bytes``; per image of a JSON batch)
+#: Largest accepted image file in bytes (``--max_image_bytes``; per image of a JSON batch)
 MAX_IMAGE_BYTES = 10 * 1024 * 1024
+#: Largest accepted image in pixels, width x height from its header (``--max_image_pixels``: 4096 x 4096)
+MAX_IMAGE_PIXELS = 4096 * 4096
+#: A JSON batch's defaults: at most this many times the per-image bytes and pixels in total
+#: (``--max_batch_bytes``, ``--max_batch_pixels``)
+BATCH_FACTOR = 4
 #: Most images in one JSON batch request
 MAX_BATCH_IMAGES = 64
-#: Largest ``k`` a request may ask for
+#: Largest ``k`` a request may ask for, and largest re-ranking ``candidates``
 MAX_K = 1000
+#: Seconds a request's body may take to arrive (``--body_timeout``)
+BODY_TIMEOUT = 30.0
+#: JSON body allowance beyond the base64 text: per image (quotes, comma, spaces) and per body (braces, key)
+JSON_OVERHEAD = 16
+JSON_SLACK = 1024
+#: Images decoded at once per API server process (each up to ``max_image_pixels``)
+DECODE_SLOTS = 2
+#: Longest error message sent back (a message quotes what the client sent)
+MAX_MESSAGE = 500
 #: Accepted ``Content-Type`` of a raw image body, and the PIL formats they may hold
 IMAGE_TYPES = ("image/jpeg", "image/png")
 IMAGE_FORMATS = ("JPEG", "PNG")
@@ -70,18 +102,60 @@ class ServeOptionError(UserInputError, ValueError):
 
 
 class BadRequest(Exception):
-    """A request the server refuses: ``status`` (4xx) and a message naming the problem."""
+    """A request the server refuses: ``status`` (4xx) and a message naming the problem; ``close``: the body was not
+    read to its end, so the connection is closed after the answer."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, close: bool = False) -> None:
+        if len(message) > MAX_MESSAGE:
+            message = message[: MAX_MESSAGE - 3] + "..."
         super().__init__(message)
         self.status = status
         self.message = message
+        self.close = close
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may cost before the model runs (module docstring; ``serve`` options of the same names)."""
+
+    max_image_bytes: int = MAX_IMAGE_BYTES
+    max_image_pixels: int = MAX_IMAGE_PIXELS
+    max_batch_bytes: int = BATCH_FACTOR * MAX_IMAGE_BYTES
+    max_batch_pixels: int = BATCH_FACTOR * MAX_IMAGE_PIXELS
+    body_timeout: float = BODY_TIMEOUT
+
+    @classmethod
+    def of(cls, max_image_bytes: int = MAX_IMAGE_BYTES, max_image_pixels: int = MAX_IMAGE_PIXELS,
+           max_batch_bytes: int | None = None, max_batch_pixels: int | None = None,
+           body_timeout: float = BODY_TIMEOUT) -> RequestLimits:
+        """The limits, the batch ones defaulting to ``BATCH_FACTOR`` times the per-image ones."""
+        return cls(int(max_image_bytes), int(max_image_pixels),
+                   BATCH_FACTOR * int(max_image_bytes) if max_batch_bytes is None else int(max_batch_bytes),
+                   BATCH_FACTOR * int(max_image_pixels) if max_batch_pixels is None else int(max_batch_pixels),
+                   float(body_timeout))
+
+    def check(self) -> None:
+        """:class:`ServeOptionError` naming an option out of range."""
+        for name in ("max_image_bytes", "max_image_pixels", "max_batch_bytes", "max_batch_pixels"):
+            if getattr(self, name) < 1:
+                raise ServeOptionError(f"--{name} {getattr(self, name)} must be >= 1")
+        if self.max_batch_bytes < self.max_image_bytes or self.max_batch_pixels < self.max_image_pixels:
+            raise ServeOptionError("--max_batch_bytes and --max_batch_pixels must be at least --max_image_bytes and "
+                                   "--max_image_pixels (a batch of one image is a batch)")
+        if not (math.isfinite(self.body_timeout) and self.body_timeout > 0):
+            raise ServeOptionError(f"--body_timeout {self.body_timeout} must be a number of seconds > 0")
+
+    @property
+    def json_body_bytes(self) -> int:
+        """The largest JSON batch body: base64 of ``max_batch_bytes`` (4 characters per 3 bytes of each image,
+        rounded up per image), ``JSON_OVERHEAD`` per image and ``JSON_SLACK``."""
+        return 4 * (self.max_batch_bytes // 3 + MAX_BATCH_IMAGES) + (JSON_OVERHEAD * MAX_BATCH_IMAGES + JSON_SLACK)
 
 
 # --------------------------------------------------------------------------------------------- request checks
-def decode_image(data: bytes, where: str = "body") -> Any:
-    """The PIL image of an encoded JPEG/PNG file, fully decoded (so a truncated file fails here), or
-    :class:`BadRequest` naming what is wrong."""
+def open_image(data: bytes, where: str, max_pixels: int) -> Any:
+    """The PIL image of an encoded JPEG/PNG file, opened but not decoded (PIL reads the header only), after the
+    checks of its format and of its declared size against ``max_pixels``; :class:`BadRequest` otherwise."""
     from PIL import Image, UnidentifiedImageError
 
     with warnings.catch_warnings():
@@ -93,13 +167,30 @@ def decode_image(data: bytes, where: str = "body") -> Any:
                                   "or PNG)") from None
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
             raise BadRequest(413, f"{where}: image too large to decode: {e}") from None
-        if image.format not in IMAGE_FORMATS:
-            raise BadRequest(415, f"{where} is a {image.format} image; send JPEG or PNG")
+        except (OSError, ValueError, SyntaxError) as e:
+            raise BadRequest(400, f"{where} is not a readable image: {e}") from None
+    if image.format not in IMAGE_FORMATS:
+        raise BadRequest(415, f"{where} is a {image.format} image; send JPEG or PNG")
+    width, height = image.size
+    if width * height > max_pixels:
+        raise BadRequest(413, f"{where} is {width} x {height} = {width * height} pixels, over the limit of "
+                              f"{max_pixels} pixels (lightning-dml serve --max_image_pixels)")
+    return image
+
+
+def decode_image(data: bytes, where: str = "body", max_pixels: int = MAX_IMAGE_PIXELS) -> Any:
+    """The PIL image of an encoded JPEG/PNG file, fully decoded (so a truncated file fails here) once its header
+    passed :func:`open_image`, or :class:`BadRequest` naming what is wrong."""
+    from PIL import Image
+
+    image = open_image(data, where, max_pixels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
         try:
             image.load()
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
             raise BadRequest(413, f"{where}: image too large to decode: {e}") from None
-        except (OSError, ValueError, SyntaxError) as e:
+        except (OSError, ValueError, SyntaxError, EOFError) as e:
             raise BadRequest(400, f"{where} is a corrupt {image.format} image: {e}") from None
     return image
 
@@ -119,8 +210,8 @@ def as_loaded(image: Any) -> Any:
 
 def parse_query(query_string: str, defaults: dict[str, Any], metric: str = "cosine") -> dict[str, Any]:
     """The per-request options from the query string (``k``, ``threshold``, ``adaptive``, ``rerank``) over the
-    server's ``defaults``; :class:`BadRequest` (400) naming a bad or unknown parameter, or a re-ranking the index's
-    ``metric`` does not allow."""
+    server's ``defaults``; :class:`BadRequest` (400) naming a bad or unknown parameter, a re-ranking the index's
+    ``metric`` does not allow, or one whose ``candidates`` exceed ``MAX_K``."""
     params = parse_qs(query_string, keep_blank_values=True)
     unknown = sorted(set(params) - {"k", "threshold", "adaptive", "rerank"})
     if unknown:
@@ -145,25 +236,36 @@ def parse_query(query_string: str, defaults: dict[str, Any], metric: str = "cosi
         rerank = parse_rerank(params.get("rerank", [out["rerank"]])[0])
         if rerank is not None:
             rerank.check_metric(metric)
+            check_served_rerank(rerank)
     except (CutOptionError, RerankOptionError) as e:
         raise BadRequest(400, f"query parameter: {e}") from None
     out.update(threshold=cut.threshold, adaptive=cut.adaptive, rerank=None if rerank is None else rerank.spec())
     return out
 
 
+def check_served_rerank(rerank: Any) -> None:
+    """:class:`~lightning_dml.index.rerank.RerankOptionError` for a re-ranking whose ``candidates`` exceed this
+    server's ``MAX_K`` (k-reciprocal's work grows with ``(candidates + 1)^3`` per query, DBA's by one search per
+    candidate; the other options are bounded by ``RERANK_LIMITS`` and by the gallery size)."""
+    candidates = getattr(rerank, "candidates", None)
+    if candidates is not None and candidates > MAX_K:
+        raise RerankOptionError(f"--rerank {rerank.name}: candidates={candidates} over this server's limit of {MAX_K}")
+
+
 class SearchRequestMiddleware:
     """Pure ASGI middleware in front of LitServe's ``POST /search``: checks a request (content type, size, body,
-    image, query parameters), answers a bad one with a 4xx JSON error, and passes a good one on as the JSON payload
-    ``{"images": [BASE64...], "single": bool, "k", "threshold", "adaptive", "rerank"}`` that :class:`SearchAPI`
-    decodes."""
+    image, query parameters; :class:`RequestLimits`), answers a bad one with a 4xx JSON error, and passes a good one
+    on as the JSON payload ``{"images": [BASE64...], "single": bool, "k", "threshold", "adaptive", "rerank"}`` that
+    :class:`SearchAPI` decodes."""
 
     def __init__(self, app: Any, *, defaults: dict[str, Any], max_image_bytes: int = MAX_IMAGE_BYTES,
-                 metric: str = "cosine", path: str = SEARCH_PATH) -> None:
+                 limits: RequestLimits | None = None, metric: str = "cosine", path: str = SEARCH_PATH) -> None:
         self.app = app
         self.defaults = defaults
         self.metric = metric
-        self.max_image_bytes = int(max_image_bytes)
+        self.limits = RequestLimits.of(max_image_bytes) if limits is None else limits
         self.path = path
+        self._decode_slots: asyncio.Semaphore | None = None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] != self.path or scope["method"] != "POST":
@@ -172,19 +274,21 @@ class SearchRequestMiddleware:
         try:
             payload = await self._payload(scope, receive)
         except BadRequest as e:
-            await _send_json(send, e.status, {"error": e.message})
+            await _send_json(send, e.status, {"error": e.message}, close=e.close)
             return
         body = json.dumps(payload).encode()
+        del payload
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in (b"content-type", b"content-length")]
         headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         sent = False
 
         async def replay() -> dict:
-            nonlocal sent
+            nonlocal sent, body
             if sent:
                 return await receive()  # after the body: wait for the disconnect, as the server would
             sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
+            message, body = {"type": "http.request", "body": body, "more_body": False}, b""
+            return message
 
         await self.app({**scope, "headers": headers}, replay, send)
 
@@ -193,9 +297,9 @@ class SearchRequestMiddleware:
         content_type = headers.get("content-type", "").split(";")[0].strip().lower()
         options = parse_query(scope.get("query_string", b"").decode("latin-1"), self.defaults, self.metric)
         if content_type in IMAGE_TYPES:
-            limit, single = self.max_image_bytes, True
+            limit, single, option = self.limits.max_image_bytes, True, "--max_image_bytes"
         elif content_type == "application/json":
-            limit, single = (self.max_image_bytes * 4 // 3 + 64) * MAX_BATCH_IMAGES, False
+            limit, single, option = self.limits.json_body_bytes, False, "--max_batch_bytes"
         else:
             shown = content_type or "(none)"
             raise BadRequest(415, f"Content-Type {shown} not accepted: send the image file as the body with "
@@ -203,20 +307,38 @@ class SearchRequestMiddleware:
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BadRequest(413, f"body of {int(declared)} bytes exceeds the limit of {limit} bytes "
-                                  f"(lightning-dml serve --max_image_bytes)")
-        data = await _read_body(receive, limit)
+                                  f"(lightning-dml serve {option})", close=True)
+        data = await _read_body(receive, limit, self.limits.body_timeout, option)
         if not data:
             raise BadRequest(400, "empty body: send the image file as the request body")
         if single:
-            await asyncio.to_thread(decode_image, data)
+            await self._decode(decode_image, data, "body", self.limits.max_image_pixels)
             images = [base64.b64encode(data).decode("ascii")]
         else:
-            images = await asyncio.to_thread(self._batch_images, data)
+            images = await self._batch_images(data)
         return {"images": images, "single": single, **options}
 
-    def _batch_images(self, data: bytes) -> list[str]:
+    async def _decode(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` in a thread, at most ``DECODE_SLOTS`` at a time in this process."""
+        if self._decode_slots is None:
+            self._decode_slots = asyncio.Semaphore(DECODE_SLOTS)
+        async with self._decode_slots:
+            return await asyncio.to_thread(fn, *args)
+
+    async def _batch_images(self, data: bytes) -> list[str]:
+        """The base64 images of a JSON batch body after every check: the JSON, each image's base64, bytes and
+        header (format, pixels), the batch's bytes and pixels (all headers before any decoding), then each image
+        decoded in full, one at a time."""
+        raws, images = await asyncio.to_thread(self._batch_files, data)
+        for i, raw in enumerate(raws):
+            await self._decode(decode_image, raw, f"images[{i}]", self.limits.max_image_pixels)
+        return images
+
+    def _batch_files(self, data: bytes) -> tuple[list[bytes], list[str]]:
         try:
             doc = json.loads(data)
+        except RecursionError:
+            raise BadRequest(400, "JSON batch body is nested too deeply; send {\"images\": [BASE64, ...]}") from None
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise BadRequest(400, f"JSON batch body is not valid JSON: {e}") from None
         images = doc.get("images") if isinstance(doc, dict) else None
@@ -224,6 +346,7 @@ class SearchRequestMiddleware:
             raise BadRequest(400, 'JSON batch body must be {"images": [BASE64, ...]} with at least one image')
         if len(images) > MAX_BATCH_IMAGES:
             raise BadRequest(413, f"JSON batch of {len(images)} images exceeds the limit of {MAX_BATCH_IMAGES}")
+        raws, total = [], 0
         for i, text in enumerate(images):
             try:
                 raw = base64.b64decode(text, validate=True)
@@ -231,32 +354,52 @@ class SearchRequestMiddleware:
                 raise BadRequest(400, f"images[{i}] is not valid base64") from None
             if not raw:
                 raise BadRequest(400, f"images[{i}] is empty")
-            if len(raw) > self.max_image_bytes:
-                raise BadRequest(413, f"images[{i}] of {len(raw)} bytes exceeds the limit of {self.max_image_bytes} "
-                                      "bytes (lightning-dml serve --max_image_bytes)")
-            decode_image(raw, where=f"images[{i}]")
-        return images
+            if len(raw) > self.limits.max_image_bytes:
+                raise BadRequest(413, f"images[{i}] of {len(raw)} bytes exceeds the limit of "
+                                      f"{self.limits.max_image_bytes} bytes (lightning-dml serve --max_image_bytes)")
+            total += len(raw)
+            if total > self.limits.max_batch_bytes:
+                raise BadRequest(413, f"JSON batch: images[0..{i}] hold {total} bytes, over the limit of "
+                                      f"{self.limits.max_batch_bytes} bytes (lightning-dml serve --max_batch_bytes)")
+            raws.append(raw)
+        pixels = 0
+        for i, raw in enumerate(raws):  # headers only: cheap, and before any image is decoded
+            width, height = open_image(raw, f"images[{i}]", self.limits.max_image_pixels).size
+            pixels += width * height
+            if pixels > self.limits.max_batch_pixels:
+                raise BadRequest(413, f"JSON batch: images[0..{i}] hold {pixels} pixels, over the limit of "
+                                      f"{self.limits.max_batch_pixels} pixels (lightning-dml serve --max_batch_pixels)")
+        return raws, images
 
 
-async def _read_body(receive: Any, limit: int) -> bytes:
+async def _read_body(receive: Any, limit: int, timeout: float, option: str = "--max_image_bytes") -> bytes:
+    """The request body, at most ``limit`` bytes (413 past it), all of it within ``timeout`` seconds (408)."""
     chunks, total = [], 0
+    deadline = time.monotonic() + timeout
     while True:
-        message = await receive()
+        try:
+            message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise BadRequest(408, f"body not received within {timeout:g} s ({total} bytes came; lightning-dml serve "
+                                  "--body_timeout)", close=True) from None
         if message["type"] == "http.disconnect":
-            raise BadRequest(400, "client disconnected before the body was complete")
+            raise BadRequest(400, "client disconnected before the body was complete", close=True)
         chunk = message.get("body", b"")
         total += len(chunk)
         if total > limit:
-            raise BadRequest(413, f"body exceeds the limit of {limit} bytes (lightning-dml serve --max_image_bytes)")
+            raise BadRequest(413, f"body exceeds the limit of {limit} bytes (lightning-dml serve {option})",
+                             close=True)
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 
 
-async def _send_json(send: Any, status: int, content: dict) -> None:
+async def _send_json(send: Any, status: int, content: dict, close: bool = False) -> None:
     body = json.dumps(content).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if close:  # the rest of the body is not read: the server closes the connection after the answer
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
@@ -270,52 +413,99 @@ except ImportError:  # pragma: no cover - exercised only without the extra
     _LitAPI = object
 
 
-class SearchAPI(_LitAPI):  # type: ignore[misc, valid-type]
-    """LitServe API of ``POST /search``: loads the index in each worker (``setup``), decodes the payloads of
-    :class:`SearchRequestMiddleware`, embeds a batch of requests in one forward pass and searches it."""
+def model_input(embedder: Any, image: Any) -> Any:
+    """The model's input tensor of a PIL image (as :func:`as_loaded` gives it): the index's preprocessing, as the
+    index's :class:`~lightning_dml.index.embed.ImageEmbedder` applies it to a PIL image (its ``mode`` and
+    ``transform``); ``tests/test_serve_bounds.py`` checks the embedding equals ``index.embed_images``'s."""
+    return embedder.transform(image.convert(embedder.mode) if image.mode != embedder.mode else image)
 
-    def __init__(self, index_dir: str, *, max_batch_size: int = 8, batch_timeout: float = 0.01) -> None:
+
+class SearchAPI(_LitAPI):  # type: ignore[misc, valid-type]
+    """LitServe API of ``POST /search``: loads the index and its model in each worker (``setup``: a missing or
+    broken model fails the start), decodes the payloads of :class:`SearchRequestMiddleware` one image at a time
+    into the model's input, embeds a batch of requests and searches it, one group of requests with the same options
+    at a time (a group that fails answers its own requests with a 500 JSON error, not the others)."""
+
+    def __init__(self, index_dir: str, *, max_batch_size: int = 8, batch_timeout: float = 0.01,
+                 limits: RequestLimits | None = None) -> None:
         super().__init__(max_batch_size=max_batch_size, batch_timeout=batch_timeout, api_path=SEARCH_PATH)
         self.index_dir = str(index_dir)
+        self.limits = RequestLimits() if limits is None else limits
         self.index: Any = None
+        self.embedder: Any = None
 
     def setup(self, device: str) -> None:
         from lightning_dml.index import EmbeddingIndex
 
         # LitServe's device: "cpu" or "cuda:<i>"; the index puts its model on the first GPU torch sees
         self.index = EmbeddingIndex.load(self.index_dir, device="cpu" if str(device) == "cpu" else "cuda")
+        self.embedder = self.index.embedder  # the model, loaded now: a broken one fails here, not in a search
 
     def decode_request(self, request: dict) -> dict:
-        # the middleware checked every image; decoding the same bytes again cannot fail
-        return {**request, "images": [as_loaded(decode_image(base64.b64decode(s))) for s in request["images"]]}
+        # the middleware checked every image; each is decoded again (the limits again) and at once turned into
+        # the model's small input, so that a batch never holds more than one full-size decoded image
+        try:
+            pixels = [model_input(self.embedder, as_loaded(decode_image(base64.b64decode(text), f"images[{i}]",
+                                                                        self.limits.max_image_pixels)))
+                      for i, text in enumerate(request["images"])]
+        except BadRequest as e:
+            return {**request, "images": [], "error": e.message, "status": e.status}
+        except Exception as e:  # noqa: BLE001 - this request alone fails, not its batch
+            return {**request, "images": [], "error": _failure("decoding", e), "status": 500}
+        return {**request, "images": pixels}
 
     def batch(self, inputs: list[dict]) -> list[dict]:
         return list(inputs)
 
     def predict(self, x: list[dict]) -> list[dict]:
-        from lightning_dml.index.search import search_images
+        import torch
 
-        # the requests of a batch with the same options are embedded and searched together, exactly as
-        # `lightning-dml search` does (its search_images): same embedding, search, re-ranking, cut and rows
-        groups: dict[tuple, list[tuple[int, int]]] = {}
+        from lightning_dml.index.search import search_embeddings
+
+        # the requests of a batch with the same options are embedded and searched together, as `lightning-dml
+        # search` does (search_images: the same model, preprocessing, search, re-ranking, cut and rows)
+        groups: dict[tuple, list[int]] = {}
+        out: list[dict] = [{}] * len(x)
         for r, request in enumerate(x):
+            if "error" in request:
+                out[r] = {"error": request["error"], "status": request["status"]}
+                continue
             key = (request["k"], request["rerank"], request["threshold"], request["adaptive"])
-            groups.setdefault(key, []).extend((r, j) for j in range(len(request["images"])))
-        rows: list[list[Any]] = [[None] * len(request["images"]) for request in x]
+            groups.setdefault(key, []).append(r)
+        step = max(1, int(getattr(self.embedder, "batch_size", 64)))
         for (k, rerank, threshold, adaptive), members in groups.items():
-            images = [x[r]["images"][j] for r, j in members]
-            found = search_images(self.index, images, k, rerank, SearchCut(threshold, adaptive),
-                                  batch_size=len(images))
-            for (r, j), result in zip(members, found):
-                rows[r][j] = result
-        return [{"results": out[0]} if request["single"] else {"batch": [{"results": o} for o in out]}
-                for request, out in zip(x, rows)]
+            try:
+                pixels = [p for r in members for p in x[r]["images"]]
+                with torch.no_grad():
+                    queries = torch.cat([
+                        self.embedder.model(torch.stack(pixels[s : s + step]).to(self.embedder.device)).float()
+                        for s in range(0, len(pixels), step)
+                    ])
+                found = search_embeddings(self.index, queries, k, rerank, SearchCut(threshold, adaptive))
+            except Exception as e:  # noqa: BLE001 - the requests of this group fail, not the others of the batch
+                for r in members:
+                    out[r] = {"error": _failure("search", e), "status": 500}
+                continue
+            start = 0
+            for r in members:
+                rows = found[start : start + len(x[r]["images"])]
+                start += len(rows)
+                out[r] = {"results": rows[0]} if x[r]["single"] else {"batch": [{"results": o} for o in rows]}
+        return out
 
     def unbatch(self, output: list[dict]) -> list[dict]:
         return output
 
-    def encode_response(self, output: dict) -> dict:
+    def encode_response(self, output: dict) -> Any:
+        if "error" in output:  # this request's own error status (LitServe passes a Response on unchanged)
+            from starlette.responses import JSONResponse
+
+            return JSONResponse({"error": output["error"]}, status_code=int(output["status"]))
         return output
+
+
+def _failure(what: str, error: Exception) -> str:
+    return " ".join(f"{what} failed: {type(error).__name__}: {error}".split())[:MAX_MESSAGE]
 
 
 def build_server(
@@ -327,25 +517,28 @@ def build_server(
     adaptive: float | None = None,
     max_batch_size: int = 8,
     batch_timeout: float = 0.01,
-    max_image_bytes: int = MAX_IMAGE_BYTES,
+    limits: RequestLimits | None = None,
     accelerator: str = "auto",
     workers_per_device: int = 1,
     timeout: float = 30.0,
     metric: str = "cosine",
 ) -> Any:
     """The ``LitServer`` of an index folder (``server.run(host=..., port=...)`` starts it); ``metric``: the index's
-    (a request's re-ranking is checked against it before it reaches the model)."""
+    (a request's re-ranking is checked against it before it reaches the model); ``limits``: what a request may
+    cost (default :class:`RequestLimits`). LitServe's OpenAPI schema and Swagger UI are switched off."""
     if ls is None:
         raise ServeOptionError("lightning-dml serve needs LitServe: pip install 'lightning-dml[serve]'")
+    limits = RequestLimits() if limits is None else limits
+    limits.check()
     defaults = {"k": int(k), "rerank": rerank, "threshold": threshold, "adaptive": adaptive}
-    api = SearchAPI(index_dir, max_batch_size=max_batch_size, batch_timeout=batch_timeout)
+    api = SearchAPI(index_dir, max_batch_size=max_batch_size, batch_timeout=batch_timeout, limits=limits)
     return ls.LitServer(
         api,
         accelerator=accelerator,
         workers_per_device=workers_per_device,
         timeout=timeout,
-        middlewares=[(SearchRequestMiddleware,
-                      {"defaults": defaults, "max_image_bytes": max_image_bytes, "metric": metric})],
+        disable_openapi_url=True,  # no /openapi.json, hence no /docs either (FastAPI serves /docs from the schema)
+        middlewares=[(SearchRequestMiddleware, {"defaults": defaults, "limits": limits, "metric": metric})],
     )
 
 
@@ -366,7 +559,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_timeout", type=float, default=0.01,
                    help="seconds to wait for a batch to fill (default 0.01)")
     p.add_argument("--max_image_bytes", type=int, default=MAX_IMAGE_BYTES,
-                   help=f"largest image body in bytes (default {MAX_IMAGE_BYTES}); larger: 413")
+                   help=f"largest image file in bytes, raw body or one image of a batch (default {MAX_IMAGE_BYTES}); "
+                   "larger: 413")
+    p.add_argument("--max_image_pixels", type=int, default=MAX_IMAGE_PIXELS,
+                   help=f"largest image in pixels, width x height from its header, checked before decoding (default "
+                   f"{MAX_IMAGE_PIXELS} = 4096 x 4096); larger: 413")
+    p.add_argument("--max_batch_bytes", type=int, default=None,
+                   help=f"most bytes of image files in one JSON batch (default {BATCH_FACTOR} x --max_image_bytes); "
+                   "the JSON body limit is its base64 size plus a small allowance")
+    p.add_argument("--max_batch_pixels", type=int, default=None,
+                   help=f"most pixels of the images of one JSON batch (default {BATCH_FACTOR} x --max_image_pixels)")
+    p.add_argument("--body_timeout", type=float, default=BODY_TIMEOUT,
+                   help=f"seconds a request's body may take to arrive (default {BODY_TIMEOUT:g}); slower: 408 and the "
+                   "connection closed")
     p.add_argument("--accelerator", default="auto", choices=("auto", "cpu", "cuda", "mps"),
                    help="where the model runs (default auto: a GPU when there is one)")
     p.add_argument("--workers_per_device", type=int, default=1, help="model worker processes per device")
@@ -391,6 +596,19 @@ def _stop_handler(main_pid: int) -> Any:
     return stop
 
 
+def check_model(index: Any, where: str) -> None:
+    """Loads the index's model (``index.embedder``, whatever its file format) so that a missing, truncated or
+    refused model stops ``serve`` before it starts, in one line (:class:`ServeOptionError`), instead of a server
+    whose ``/health`` is fine and whose every search fails."""
+    try:
+        index.embedder
+    except UserInputError:
+        raise
+    except Exception as error:  # noqa: BLE001 - any loader failure (truncated archive, bad tensors) is one line
+        detail = " ".join(f"{type(error).__name__}: {error}".split())[:MAX_MESSAGE]
+        raise ServeOptionError(f"--index {where}: its model cannot be loaded ({detail})") from None
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``lightning-dml serve ...``: checks the options and the index folder, then serves until interrupted."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -402,21 +620,25 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise ServeOptionError("--max_batch_size and --workers_per_device must be >= 1")
     if args.batch_timeout < 0 or not args.timeout > args.batch_timeout:
         raise ServeOptionError(f"--batch_timeout {args.batch_timeout} must be >= 0 and below --timeout {args.timeout}")
-    if args.max_image_bytes < 1:
-        raise ServeOptionError(f"--max_image_bytes {args.max_image_bytes} must be >= 1")
+    limits = RequestLimits.of(args.max_image_bytes, args.max_image_pixels, args.max_batch_bytes,
+                              args.max_batch_pixels, args.body_timeout)
+    limits.check()
     cut = SearchCut.parse(args.threshold, args.adaptive)
     rerank = parse_rerank(args.rerank)
+    if rerank is not None:
+        check_served_rerank(rerank)
     from lightning_dml.index import EmbeddingIndex
 
     index = EmbeddingIndex.load(args.index)  # a missing or broken folder is reported here, before any worker starts
     metric = index.metric
     if rerank is not None:
         rerank.check_metric(metric)
+    check_model(index, args.index)
     del index
     server = build_server(
         args.index, k=args.k, rerank=None if rerank is None else rerank.spec(), threshold=cut.threshold,
         adaptive=cut.adaptive, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout,
-        max_image_bytes=args.max_image_bytes, accelerator=args.accelerator,
+        limits=limits, accelerator=args.accelerator,
         workers_per_device=args.workers_per_device, timeout=args.timeout, metric=metric,
     )
     print(f"lightning-dml serve: {args.index} on http://{args.host}:{args.port} (POST /search, GET /health)",
