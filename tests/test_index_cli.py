@@ -264,3 +264,144 @@ def test_build_under_two_process_ddp_equals_one_process(fixture, tmp_path):
     ddp, single = EmbeddingIndex.load(tmp_path / "d"), EmbeddingIndex.load(fixture["flat"])
     assert ddp.table.paths == single.table.paths
     torch.testing.assert_close(ddp.embeddings, single.embeddings, atol=1e-6, rtol=0)
+
+
+def _score_of_itself(index_dir: Path, image: Path) -> tuple[str, float]:
+    code, text, err = _main_capture(["search", "--index", str(index_dir), "--k", "1", str(image)])
+    assert code == 0, err[-3000:]
+    found = json.loads(text)["results"][0]
+    return found["path"], found["score"]
+
+
+def test_a_build_overwrite_interrupted_after_its_export_leaves_the_old_index(fixture, tmp_path, monkeypatch):
+    """Issue 26 s.2: Ctrl-C right after the export step of ``index build --overwrite`` (with another checkpoint)
+    left the new model beside the old vectors: the index loaded and a gallery image's own score was 0.156, not 1.
+    The new folder is written beside the old one and swapped in whole, so the old index is untouched."""
+    import lightning_dml.index.build as B
+
+    index_dir = tmp_path / "idx"
+    shutil.copytree(fixture["flat"], index_dir)
+    checkpoint = torch.load(fixture["ckpt"], weights_only=True)  # another model (the fixture's two are equal)
+    torch.manual_seed(3)
+    checkpoint["state_dict"] = {k: v + 0.3 * torch.randn_like(v) if v.is_floating_point() else v
+                                for k, v in checkpoint["state_dict"].items()}
+    other = tmp_path / "other.ckpt"
+    torch.save(checkpoint, other)
+    before = {p.name: p.read_bytes() for p in index_dir.iterdir()}
+    image = fixture["gallery"] / "class2" / "3.png"
+    assert _score_of_itself(index_dir, image) == (str(image), pytest.approx(1.0, abs=1e-5))
+    real_export = B._export
+
+    def export_then_ctrl_c(*args, **kwargs):
+        real_export(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(B, "_export", export_then_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        main(["index", "build", "--config", str(fixture["config"]), "--ckpt_path", str(other),
+              "--gallery", str(fixture["gallery"]), "--out", str(index_dir), "--overwrite", *QUIET])
+    assert _score_of_itself(index_dir, image) == (str(image), pytest.approx(1.0, abs=1e-5))
+    assert {p.name: p.read_bytes() for p in index_dir.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".idx.lock", "idx", "other.ckpt"]
+    monkeypatch.setattr(B, "_export", real_export)
+    code, _, err = _main_capture(["index", "build", "--config", str(fixture["config"]), "--ckpt_path", str(other),
+                                  "--gallery", str(fixture["gallery"]), "--out", str(index_dir), "--overwrite",
+                                  *QUIET])
+    assert code == 0, err[-3000:]
+    index = EmbeddingIndex.load(index_dir)
+    assert index.manifest.checkpoint == checkpoint_record(other)
+    assert not torch.allclose(index.embeddings, EmbeddingIndex.load(fixture["flat"]).embeddings, atol=1e-3)
+    assert _score_of_itself(index_dir, image) == (str(image), pytest.approx(1.0, abs=1e-5))
+
+
+def test_build_and_add_wait_for_the_lock_and_stop_naming_its_holder(fixture, tmp_path):
+    """``index build --overwrite`` and ``index add`` of one folder exclude each other: while another process holds
+    the folder's lock, each waits ``--lock_timeout`` seconds and stops with one line naming the holder."""
+    import os
+    import time
+
+    from lightning_dml.index import folder as F
+
+    index_dir = tmp_path / "idx"
+    shutil.copytree(fixture["flat"], index_dir)
+    ready, release = tmp_path / "ready", tmp_path / "release"
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child holds the lock until told to stop
+        try:
+            with F.locked(index_dir, what="the test's holder"):
+                ready.touch()
+                end = time.monotonic() + 60
+                while not release.exists() and time.monotonic() < end:
+                    time.sleep(0.02)
+        finally:
+            os._exit(0)
+    try:
+        while not ready.exists():
+            time.sleep(0.02)
+        for command in (["index", "add", "--index", str(index_dir), "--gallery", str(fixture["gallery"])],
+                        ["index", "build", "--config", str(fixture["config"]), "--ckpt_path", str(fixture["ckpt"]),
+                         "--gallery", str(fixture["gallery"]), "--out", str(index_dir), "--overwrite", *QUIET]):
+            code, _, err = _main_capture([*command, "--lock_timeout", "0.2"])
+            lines = err.splitlines()
+            assert code == 1 and "Traceback" not in err and lines[-1].startswith("lightning-dml: error: "), err
+            waiting = [line for line in lines if "waiting up to 0.2 s" in line]
+            assert len(waiting) == 1 and f"is locked by pid {pid}" in waiting[0], err
+            assert f"is locked by pid {pid}" in lines[-1] and "the test's holder" in lines[-1], err
+            assert "--lock_timeout" in lines[-1]
+    finally:
+        release.touch()
+        os.waitpid(pid, 0)
+    code, text, err = _main_capture(["index", "add", "--index", str(index_dir), "--gallery", str(fixture["gallery"])])
+    assert code == 0 and "0 added" in text, err[-3000:]
+    line = _one_error(["index", "add", "--index", str(index_dir), "--gallery", str(fixture["gallery"]),
+                       "--lock_timeout", "nan"])
+    assert "--lock_timeout must be" in line
+
+
+# A child process of the next test: ``lightning-dml ...`` whose ``index add`` waits, after loading the index and
+# before embedding, until both adds got there (at most 3 s): without the folder's lock both loaded the same index.
+_ADD_WITH_A_MEETING = """
+import os, sys, time
+from pathlib import Path
+from lightning_dml.index.index import EmbeddingIndex
+real = EmbeddingIndex.embed_images
+def embed_images(self, images):
+    meeting = Path(os.environ["MEETING"])
+    (meeting / str(os.getpid())).touch()
+    end = time.monotonic() + 3
+    while len(list(meeting.iterdir())) < 2 and time.monotonic() < end:
+        time.sleep(0.05)
+    return real(self, images)
+EmbeddingIndex.embed_images = embed_images
+from lightning_dml.cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.slow
+def test_two_concurrent_index_adds_keep_every_item(fixture, tmp_path):
+    """Issue 26 s.2: two concurrent ``index add`` runs of different images both reported "3 added", and the index
+    ended with 18 items instead of 21 (both loaded the same index, the same new ids handed out twice). Two real
+    processes: the end count is the sum, the ids are distinct, each run's images are found."""
+    import os
+    import subprocess
+    import sys
+
+    index_dir = tmp_path / "idx"
+    shutil.copytree(fixture["flat"], index_dir)
+    for name, seed in (("g1", 11), ("g2", 12)):
+        _write_gallery(tmp_path / name, range(10 * seed, 10 * seed + 1), seed=seed, per_class=3)
+    (tmp_path / "meeting").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MEETING": str(tmp_path / "meeting")}
+    procs = [subprocess.Popen([sys.executable, "-c", _ADD_WITH_A_MEETING, "index", "add", "--index", str(index_dir),
+                               "--gallery", str(tmp_path / name)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for name in ("g1", "g2")]
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0 and "3 added, 0 re-embedded (changed files), 0 unchanged" in out, err[-3000:]
+    index = EmbeddingIndex.load(index_dir)
+    assert len(index) == 26 and sorted(index.table.ids.tolist()) == list(range(26))
+    images = sorted(str(p) for p in tmp_path.glob("g?/*/*.png"))
+    scores, ids = index.search(index.embed_images(images), 1)
+    assert [index.table.paths[r] for r in index.table.rows_of(ids[:, 0].numpy())] == images
+    torch.testing.assert_close(scores[:, 0], torch.ones(6), atol=1e-5, rtol=0)

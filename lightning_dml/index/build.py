@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from lightning_dml.index.embed import embedding_metric, load_checkpoint_model, predict_embeddings, preprocessing
+from lightning_dml.index.folder import DEFAULT_LOCK_TIMEOUT, locked, settle
 from lightning_dml.index.gallery import read_items
 from lightning_dml.index.index import MODEL, EmbeddingIndex, IndexTable, _stat
-from lightning_dml.index.manifest import IndexFolderError
+from lightning_dml.index.manifest import IndexFolderError, Manifest
 
 __all__ = ["add_gallery", "build_index"]
 
@@ -41,11 +42,18 @@ def build_index(
     num_workers: int = 0,
     batch_size: int = 128,
     progress: bool = True,
+    overwrite: bool = True,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
     **kind_options: Any,
 ) -> EmbeddingIndex | None:
     """Embed ``gallery`` (a folder of class folders or a table, :mod:`lightning_dml.index.gallery`) with the
     model of ``config`` and ``ckpt_path``, index it (``kind``, ``kind_options``, ``shards``) and, with ``out``,
     save the folder with the exported model. Returns the index on rank 0, ``None`` on the other DDP ranks.
+
+    The folder is written whole beside ``out`` and swapped in under ``out``'s lock (:meth:`EmbeddingIndex.save`,
+    :mod:`lightning_dml.index.folder`; the lock is taken after the embedding, waiting at most ``lock_timeout``
+    seconds): a build stopped at any point leaves an existing index whole. ``overwrite=False`` refuses to
+    replace an index folder (also one another process wrote during the embedding).
     """
     items = read_items(gallery, split)
     module, datamodule, record = load_checkpoint_model(config, ckpt_path)
@@ -70,9 +78,9 @@ def build_index(
     index = EmbeddingIndex.build(embeddings, table, kind=kind, metric=metric, manifest=manifest, shards=shards,
                                  **kind_options)
     if out is not None:
-        out = Path(out)
-        _export(module, out, spec, preprocess)
-        index.save(out)
+        # the model is exported into the new folder, which replaces ``out`` as a whole only once complete
+        index.save(out, replace=overwrite, lock_timeout=lock_timeout, add_files=lambda staged: _export(
+            module, staged, spec, preprocess))
     return index
 
 
@@ -100,10 +108,24 @@ def add_gallery(
     split: str | None = None,
     batch_size: int = 64,
     device: str = "cpu",
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
 ) -> dict[str, int]:
     """Bring a saved index up to date with ``gallery``: its images not yet indexed are embedded (the exported
     model) and added; indexed images of it whose file changed (size, modification time) are re-embedded under a
-    new id; the others are kept. Saves the folder and returns ``{"added", "updated", "unchanged"}``."""
+    new id; the others are kept. Saves the folder and returns ``{"added", "updated", "unchanged"}``.
+
+    The folder's lock (:func:`~lightning_dml.index.folder.locked`) is held from loading the index to saving it, so
+    concurrent adds (and builds into the same folder) run one after the other and never hand out an id twice; a
+    second one waits at most ``lock_timeout`` seconds, then stops with an
+    :class:`~lightning_dml.index.folder.IndexBusyError` naming the holder."""
+    settle(index_dir)
+    Manifest.read(index_dir)  # a missing or foreign folder is reported before anything is locked
+    with locked(index_dir, lock_timeout, f"lightning-dml index add --gallery {gallery}"):
+        return _add_gallery(index_dir, gallery, split, batch_size, device)
+
+
+def _add_gallery(index_dir: str | os.PathLike, gallery: str | os.PathLike, split: str | None, batch_size: int,
+                 device: str) -> dict[str, int]:
     index = EmbeddingIndex.load(index_dir, device=device)
     if index.manifest.model is None:
         raise IndexFolderError(f"index {index_dir} has no exported model (built from tensors): use "

@@ -5,8 +5,8 @@
     lightning-dml index build --config CONFIG --ckpt_path CKPT --gallery PATH --kind flat --out DIR
         [--split SPLIT] [--shards N] [--nlist N] [--nprobe N] [--m N] [--nbits N] [--M N] [--ef_construction N]
         [--ef_search N] [--accelerator auto] [--devices 1] [--strategy auto] [--num_workers 0] [--batch_size 128]
-        [--overwrite]
-    lightning-dml index add --index DIR --gallery PATH [--split SPLIT]
+        [--overwrite] [--lock_timeout 600]
+    lightning-dml index add --index DIR --gallery PATH [--split SPLIT] [--lock_timeout 600]
     lightning-dml index evaluate --index DIR [--queries PATH] [--k 10] [--recall_at 1 2 4 8] [--rerank SPEC]
         [--format table|json]
     lightning-dml index status --index DIR
@@ -15,6 +15,10 @@
 also takes a ``lightning-dml predict`` file (``predictions.pt``: its checkpoint must be the index's). ``build`` runs
 Lightning's predict loop (``--devices 2 --strategy ddp``: every process embeds its share, rank 0 writes the folder).
 ``status`` lists the gallery files that changed since they were indexed; ``add`` re-embeds them.
+
+``build`` and ``add`` write the folder as a whole under its lock (``.DIR.lock`` beside it,
+:mod:`lightning_dml.index.folder`): a command stopped at any point leaves the old index whole, and a second writer
+of the same folder waits for the first (a line names the holder) for at most ``--lock_timeout`` seconds.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from lightning_dml.errors import UserInputError
+from lightning_dml.index.folder import DEFAULT_LOCK_TIMEOUT
 from lightning_dml.index.manifest import MANIFEST
 
 __all__ = ["build_parser", "main"]
@@ -62,13 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--batch_size", type=int, default=128, help="images per forward pass (default 128)")
     build.add_argument("--progress_bar", type=lambda t: t.lower() in ("1", "true", "yes"), default=True,
                        help="show the progress bar (default true)")
-    build.add_argument("--overwrite", action="store_true", help="replace an existing index folder")
+    build.add_argument("--overwrite", action="store_true",
+                       help="replace an existing index folder (as a whole, once the new one is complete)")
+    build.add_argument("--lock_timeout", type=float, default=DEFAULT_LOCK_TIMEOUT,
+                       help=f"seconds to wait while another command writes the folder (default {DEFAULT_LOCK_TIMEOUT:g})")
 
     add = sub.add_parser("add", help="add a gallery's new or changed images to an index")
     add.add_argument("--index", required=True, help="the index folder")
     add.add_argument("--gallery", required=True, help="an image folder of class folders, or a CSV/Parquet table")
     add.add_argument("--split", default=None, help="a table's rows of this split only")
     add.add_argument("--device", default="cpu", help="cpu, cuda or auto: where the exported model runs")
+    add.add_argument("--lock_timeout", type=float, default=DEFAULT_LOCK_TIMEOUT,
+                     help=f"seconds to wait while another command writes the folder (default {DEFAULT_LOCK_TIMEOUT:g})")
 
     evaluate = sub.add_parser("evaluate",
                               help="neighbour recall and Recall@K / MAP@R of the index against exact search")
@@ -94,23 +104,33 @@ def _kind_options(args: argparse.Namespace) -> dict[str, int]:
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
+def _check_lock_timeout(args: argparse.Namespace) -> None:
+    if not args.lock_timeout >= 0:  # also NaN
+        raise IndexCommandError(f"--lock_timeout must be a number of seconds >= 0, got {args.lock_timeout}")
+
+
 def _build(args: argparse.Namespace) -> None:
     from lightning_dml.index.build import build_index
     from lightning_dml.index.kinds import check_kind
 
     check_kind(args.kind, _kind_options(args))  # before any work
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not args.overwrite:
-        what = "an index" if (out / MANIFEST).is_file() else ("a file" if not out.is_dir() else "a non-empty folder")
-        raise IndexCommandError(f"--out {out} is {what}; give a new folder, or --overwrite to replace it")
     if out.exists() and not out.is_dir():
         raise IndexCommandError(f"--out {out} is a file, not a folder")
+    is_index = (out / MANIFEST).is_file()
+    if out.is_dir() and any(out.iterdir()) and not is_index:
+        raise IndexCommandError(f"--out {out} is a non-empty folder that is not an index; give a new or empty folder "
+                                "(--overwrite replaces only an index folder, as a whole)")
+    if is_index and not args.overwrite:
+        raise IndexCommandError(f"--out {out} is an index; give a new folder, or --overwrite to replace it")
     if args.batch_size < 1 or args.num_workers < 0 or args.shards < 1:
         raise IndexCommandError("--batch_size and --shards must be >= 1, --num_workers >= 0")
+    _check_lock_timeout(args)
     index = build_index(
         args.config, args.ckpt_path, args.gallery, args.kind, out, split=args.split, shards=args.shards,
         accelerator=args.accelerator, devices=args.devices, strategy=args.strategy, num_workers=args.num_workers,
-        batch_size=args.batch_size, progress=args.progress_bar, **_kind_options(args),
+        batch_size=args.batch_size, progress=args.progress_bar, overwrite=args.overwrite,
+        lock_timeout=args.lock_timeout, **_kind_options(args),
     )
     if index is not None:
         print(f"lightning-dml index: {len(index)} items indexed ({index.kind}, {index.metric}, size {index.dim}) "
@@ -120,7 +140,9 @@ def _build(args: argparse.Namespace) -> None:
 def _add(args: argparse.Namespace) -> None:
     from lightning_dml.index.build import add_gallery
 
-    counts = add_gallery(args.index, args.gallery, split=args.split, device=args.device)
+    _check_lock_timeout(args)
+    counts = add_gallery(args.index, args.gallery, split=args.split, device=args.device,
+                         lock_timeout=args.lock_timeout)
     print(f"lightning-dml index: {counts['added']} added, {counts['updated']} re-embedded (changed files), "
           f"{counts['unchanged']} unchanged in {args.index}")
 

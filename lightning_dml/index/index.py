@@ -15,6 +15,10 @@ An index folder (:meth:`EmbeddingIndex.save`, :meth:`EmbeddingIndex.load`) holds
   (:func:`~lightning_dml.export.export_embedding_model`), so :meth:`embed_images` and ``lightning-dml search``
   need no training config (absent for an index built from tensors).
 
+The folder is written and read as a whole (:mod:`lightning_dml.index.folder`): a save writes a new sibling folder
+under the lock ``.NAME.lock`` beside it and swaps it in, so a reader or a killed writer never leaves or sees old
+files mixed with new ones, and :meth:`EmbeddingIndex.load` reads a folder again when it was replaced meanwhile.
+
 Scores are similarities, higher is better: the cosine similarity (``cosine``: inner product of L2-normalised
 vectors) or the negated squared Euclidean distance (``euclidean``), as the library's exact engine
 (:func:`lightning_dml.metrics.functional.knn`) reports them. Results are the best by score, then by the smaller id
@@ -26,10 +30,13 @@ vectors) or the negated squared Euclidean distance (``euclidean``), as the libra
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
+import re
+import secrets
 import shutil
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -39,8 +46,10 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from lightning_dml.errors import UserInputError
 from lightning_dml.index import kinds as K
-from lightning_dml.index.manifest import IndexFolderError, IndexMismatchError, Manifest
+from lightning_dml.index.folder import DEFAULT_LOCK_TIMEOUT, IndexBusyError, real_folder, replacing, settle
+from lightning_dml.index.manifest import MANIFEST, IndexFolderError, IndexMismatchError, Manifest, folder_uid
 
 __all__ = ["EmbeddingIndex", "IndexTable"]
 
@@ -48,6 +57,20 @@ TABLE = "table.csv"
 EMBEDDINGS = "embeddings.npy"
 MODEL = "embedding_exported.pt2"
 TABLE_COLUMNS = ("id", "path", "label", "size", "mtime_ns")
+_FAISS_FILE = re.compile(r"^(index|shard-\d+)\.faiss$")
+_LOAD_ATTEMPTS = 5
+
+
+def _faiss_names(shards: int) -> list[str]:
+    return ["index.faiss"] if shards == 1 else [f"shard-{i}.faiss" for i in range(shards)]
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    """Hard-link ``source`` as ``target`` (the old folder is deleted after the swap), or copy where links fail."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def _stat(path: str) -> tuple[int | None, int | None]:
@@ -237,7 +260,7 @@ class EmbeddingIndex:
             raise K.IndexOptionError(f"shards must be an integer in 1..{n} (the number of items), got {shards!r}")
         options = K.resolve_options(kind, kind_options, n, d)
         extra = dict(manifest) if isinstance(manifest, dict) else ({} if manifest is None else asdict(manifest))
-        for key in ("kind", "metric", "embedding_dim", "options", "shards", "count", "next_id"):
+        for key in ("kind", "metric", "embedding_dim", "options", "shards", "count", "next_id", "uid"):
             extra.pop(key, None)
         meta = Manifest(kind=kind, metric=metric, embedding_dim=d, options=options, shards=int(shards),
                         next_id=int(table.ids.max()) + 1 if n else 0,
@@ -266,49 +289,114 @@ class EmbeddingIndex:
         return [template] + [faiss.clone_index(template) for _ in range(count - 1)]
 
     # --------------------------------------------------------------------------------------------- saving
-    def save(self, folder: str | os.PathLike) -> Path:
-        """Write the index folder (module docstring); files are written under temporary names and renamed, the
-        manifest last. The exported model of the folder it was loaded from is copied along."""
+    def save(self, folder: str | os.PathLike, *, replace: bool = True,
+             add_files: Callable[[Path], None] | None = None,
+             lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> Path:
+        """Write the index folder (module docstring) as a whole (:mod:`lightning_dml.index.folder`): under the
+        folder's lock, every file is written into a fresh sibling folder, which then takes the place of ``folder``;
+        a save stopped at any point leaves the old folder whole, and a reader sees the old or the new folder.
+
+        The files of the folder this index was loaded from (or last saved to) that the save does not write itself
+        (the exported model) are carried along. Saving back to that folder after another process saved it since is
+        an :class:`~lightning_dml.index.folder.IndexBusyError` (its items would be lost: load it again, or hold
+        :func:`~lightning_dml.index.folder.locked` from the load to the save). ``folder`` must be new, empty or an
+        index folder; ``replace=False`` also refuses an index folder. ``add_files(staged)`` writes more files into
+        the new folder before the swap (``build_index`` exports the model with it). ``lock_timeout``: seconds to
+        wait for another writer of ``folder``."""
         faiss = K.faiss_module()
 
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = f".{os.getpid()}.tmp"
-        written: list[tuple[Path, Path]] = []
+        source = self.folder
+        uid = secrets.token_hex(8)
 
-        def stage(name: str) -> Path:
-            target = folder / name
-            staged = folder / f".{name}{tmp}"
-            written.append((staged, target))
-            return staged
+        def check(path: Path) -> None:
+            if os.path.lexists(path) and not path.is_dir():
+                raise IndexFolderError(f"{folder} is a file, not an index folder")
+            is_index = (path / MANIFEST).is_file()
+            if not is_index and path.is_dir() and any(path.iterdir()):
+                raise IndexFolderError(
+                    f"{folder} is a non-empty folder that is not an index: an index folder is replaced as a whole, "
+                    "which would delete its files; give a new or empty folder"
+                )
+            if is_index and source is not None and real_folder(source) == path:
+                if folder_uid(path) != self.manifest.uid:
+                    raise IndexBusyError(
+                        f"index folder {folder} was saved by another process since this index was loaded from it: "
+                        "saving would drop that process's changes; load it again (lightning_dml.index.folder.locked "
+                        "held from the load to the save keeps others out)"
+                    )
+            elif is_index and not replace:
+                raise IndexFolderError(f"{folder} is an index folder already (written meanwhile by another "
+                                       "process?); replace it with --overwrite (replace=True)")
 
-        names = ["index.faiss"] if len(self._shards) == 1 else [f"shard-{i}.faiss" for i in range(len(self._shards))]
-        for name, shard in zip(names, self._shards):
-            faiss.write_index(shard, str(stage(name)))
-        self.table.write(stage(TABLE))
-        with open(stage(EMBEDDINGS), "wb") as handle:
-            np.save(handle, self._vectors)
-        if self.manifest.model and self.folder is not None and self.folder.resolve() != folder.resolve():
-            shutil.copyfile(self.folder / self.manifest.model, stage(self.manifest.model))
-        for staged, target in written:
-            os.replace(staged, target)
-        for stale in folder.glob("*.faiss"):
-            if stale.name not in names:
-                stale.unlink()
-        self.manifest.write(folder)
-        self.folder = folder
-        return folder
+        with replacing(folder, timeout=lock_timeout, what=f"saving an index of {len(self)} items",
+                       check=check) as staged:
+            if source is not None:
+                self._carry(source, staged, link=real_folder(source) == real_folder(folder))
+            if add_files is not None:
+                add_files(staged)
+            names = _faiss_names(len(self._shards))
+            for name, shard in zip(names, self._shards):
+                faiss.write_index(shard, str(staged / name))
+            self.table.write(staged / TABLE)
+            with open(staged / EMBEDDINGS, "wb") as handle:
+                np.save(handle, np.asarray(self._vectors))
+            dataclasses.replace(self.manifest, uid=uid).write(staged)
+        self.folder = Path(folder)
+        self.manifest.uid = uid
+        return self.folder
+
+    def _carry(self, source: Path, staged: Path, link: bool) -> None:
+        """Copy (``link``: hard-link where the file system can) into ``staged`` every entry of ``source`` that
+        :meth:`save` does not write itself (not the manifest, table, vectors, faiss files, or hidden names)."""
+        if not source.is_dir():
+            raise IndexFolderError(f"index folder {source}, which this index was loaded from, is gone: its files (the "
+                                   "exported model) cannot be carried along")
+        before = folder_uid(source)
+        if before != self.manifest.uid:
+            raise IndexBusyError(f"index folder {source} was replaced since this index was loaded from it: its "
+                                 "exported model may not be this index's; load the index again")
+        written = {MANIFEST, TABLE, EMBEDDINGS}
+        for entry in sorted(os.scandir(source), key=lambda e: e.name):
+            if entry.name in written or entry.name.startswith(".") or _FAISS_FILE.match(entry.name):
+                continue
+            copy = _link_or_copy if link else shutil.copy2
+            if entry.is_dir():
+                shutil.copytree(entry.path, staged / entry.name, copy_function=copy)
+            else:
+                copy(entry.path, staged / entry.name)
+        if folder_uid(source) != before:
+            raise IndexBusyError(f"index folder {source} was replaced while its files were copied; save again")
 
     @classmethod
     def load(cls, folder: str | os.PathLike, device: str = "cpu", mmap: bool = False) -> "EmbeddingIndex":
         """Load an index folder; every missing or inconsistent file is one
         :class:`~lightning_dml.index.manifest.IndexFolderError` naming it. ``mmap``: memory-map the stored
-        vectors (and the faiss files where faiss can) instead of reading them."""
+        vectors (and the faiss files where faiss can) instead of reading them.
+
+        A folder replaced while it is read (the manifest's ``uid`` changed) is read again, and a folder left missing
+        by a save stopped halfway is restored first (:mod:`lightning_dml.index.folder`): the index is the complete
+        old or new folder, never a mix."""
+        folder = Path(folder)
+        for _ in range(_LOAD_ATTEMPTS):
+            settle(folder)
+            uid = folder_uid(folder)
+            try:
+                index = cls._load_files(folder, device, mmap)
+            except (UserInputError, OSError):
+                if folder_uid(folder) != uid:
+                    continue  # replaced while read
+                raise
+            if folder_uid(folder) == index.manifest.uid:
+                return index
+        raise IndexFolderError(f"index folder {folder} was replaced {_LOAD_ATTEMPTS} times while it was read; "
+                               "load it again when its writers are done")
+
+    @classmethod
+    def _load_files(cls, folder: Path, device: str, mmap: bool) -> "EmbeddingIndex":
         faiss = K.faiss_module()
 
-        folder = Path(folder)
         manifest = Manifest.read(folder)
-        names = ["index.faiss"] if manifest.shards == 1 else [f"shard-{i}.faiss" for i in range(manifest.shards)]
+        names = _faiss_names(manifest.shards)
         shards = []
         for name in names:
             path = folder / name
@@ -465,14 +553,26 @@ class EmbeddingIndex:
                     f"index {self.folder or '(in memory)'} has no exported model: it was built from tensors; embed "
                     "queries yourself and call search(), or build it with lightning-dml index build"
                 )
+            self._check_unreplaced()
             path = self.folder / self.manifest.model
             if not path.is_file():
                 raise IndexFolderError(f"index folder {self.folder}: the exported model {path.name} is missing")
             spec = InputSpec(**{k: tuple(v) if isinstance(v, list) else v
                                 for k, v in (self.manifest.input_spec or {}).items()})
             device = "cuda" if self.device != "cpu" and torch.cuda.is_available() else "cpu"
-            self._embedder = ImageEmbedder(path, spec, self.manifest.preprocess or {}, device=device)
+            embedder = ImageEmbedder(path, spec, self.manifest.preprocess or {}, device=device)
+            self._check_unreplaced()  # the model read is the one of the folder these vectors came from
+            self._embedder = embedder
         return self._embedder
+
+    def _check_unreplaced(self) -> None:
+        """An :class:`~lightning_dml.index.manifest.IndexFolderError` when the folder this index was loaded from
+        was replaced since (another ``uid`` in its manifest): its model need not be the one of these vectors."""
+        if self.folder is not None and folder_uid(self.folder) != self.manifest.uid:
+            raise IndexFolderError(
+                f"index folder {self.folder} was replaced since this index was loaded (lightning-dml index build "
+                "--overwrite or index add): its model need not be the one of the loaded vectors; load it again"
+            )
 
     def embed_images(self, images: Sequence[str | os.PathLike | Image.Image]) -> Tensor:
         """Raw embeddings ``[N, D]`` of image files or PIL images with the index's exported model and

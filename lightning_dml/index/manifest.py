@@ -12,7 +12,10 @@ Written by :meth:`~lightning_dml.index.EmbeddingIndex.save`, read by :meth:`~lig
   dict) and ``preprocess`` (``crop_size``, ``resize_size``, ``mode``: the evaluation transform of the run's data
   module), ``model`` (file name of the exported model beside it, ``None`` without one);
 * ``gallery``: the gallery sources added (paths as given, absolute); each file's size and modification time are in
-  the table (``size``, ``mtime_ns`` columns), which :meth:`~lightning_dml.index.EmbeddingIndex.changed_files` compares.
+  the table (``size``, ``mtime_ns`` columns), which :meth:`~lightning_dml.index.EmbeddingIndex.changed_files` compares;
+* ``uid``: a random id written by each save (:func:`folder_uid`): a reader that finds another ``uid`` after reading
+  the other files knows the folder was replaced meanwhile (:mod:`lightning_dml.index.folder`); ``""`` in folders
+  written before it existed.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 
 from lightning_dml.errors import CorruptFileError, MissingFileError, UserInputError
 
-__all__ = ["FORMAT", "MANIFEST", "IndexFolderError", "IndexMismatchError", "Manifest", "versions"]
+__all__ = ["FORMAT", "MANIFEST", "IndexFolderError", "IndexMismatchError", "Manifest", "folder_uid", "versions"]
 
 #: The layout version of an index folder this code reads and writes
 FORMAT = 1
@@ -52,6 +55,16 @@ def versions() -> dict[str, str]:
     return {"library": __version__, "faiss": faiss.__version__, "torch": torch.__version__}
 
 
+def folder_uid(folder: str | os.PathLike) -> str | None:
+    """The ``uid`` of the manifest of ``folder`` (``""`` for a folder written before uids), ``None`` when there is no
+    readable manifest: what tells a reader whether the folder was replaced since it read it."""
+    try:
+        data = json.loads((Path(folder) / MANIFEST).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return str(data.get("uid", "")) if isinstance(data, dict) else None
+
+
 @dataclass
 class Manifest:
     """The content of ``manifest.json`` (see the module docstring)."""
@@ -68,6 +81,7 @@ class Manifest:
     preprocess: dict[str, Any] | None = None
     model: str | None = None
     gallery: list[str] = field(default_factory=list)
+    uid: str = ""
     format: int = FORMAT
     library: str = ""
     faiss: str = ""
