@@ -83,6 +83,17 @@ GROUPS: dict[str, dict] = {
         "tests": ["tests/test_metrics*.py", "tests/test_retrieval_results.py"],
         "subprocess_tests": {"tests/test_metrics_ddp.py": ["lightning_dml/metrics/*.py"]},
     },
+    # issue 26: the per-query results and the score histogram (built on the metrics engine), and re-ranking
+    "retrieval": {
+        "sources": ["lightning_dml/retrieval/*.py"],
+        "tests": ["tests/test_retrieval_*.py", "tests/test_report.py"],
+        "subprocess_tests": {},
+    },
+    "rerank": {
+        "sources": ["lightning_dml/index/rerank.py"],
+        "tests": ["tests/test_rerank*.py"],
+        "subprocess_tests": {},
+    },
     "samplers": {
         "sources": ["lightning_dml/data/samplers.py"],
         "tests": ["tests/test_samplers*.py", "tests/test_resume.py", "tests/test_data_mining.py"],
