@@ -163,3 +163,17 @@ def test_the_freshness_rule_is_size_and_mtime_and_the_content_check_sees_the_res
     monkeypatch.setenv(CHECK_ENV, "sha")
     with pytest.raises(ValueError, match=f"{CHECK_ENV} must be 'stat' .* or 'content', got 'sha'"):
         open_decoded_cache(paths, top, "train", 20, progress=False)
+
+
+def test_an_index_naming_a_file_outside_its_folder_is_rebuilt(tmp_path: Path) -> None:
+    import json
+
+    top, paths = _split(tmp_path)
+    view, info = open_decoded_cache(paths, top, "train", 20, progress=False)
+    index = json.loads(info.index_file.read_text())
+    outside = tmp_path / "elsewhere.u8"
+    outside.write_bytes(view.data_file.read_bytes())  # the right size: only its place is wrong
+    index["data_file"] = f"../../../{outside.name}"
+    info.index_file.write_text(json.dumps(index))
+    again, info = open_decoded_cache(paths, top, "train", 20, progress=False)
+    assert info.built and again.data_file.parent == view.data_file.parent and outside.is_file()

@@ -341,7 +341,10 @@ def _is_fresh(index: dict[str, Any] | None, folder: Path, expected: dict[str, An
         return False
     if index.get("files") != files:
         return False
-    data_file = folder / str(index.get("data_file", ""))
+    name = str(index.get("data_file", ""))
+    if Path(name).name != name or not name.endswith(".u8"):  # a data file of this folder, nothing elsewhere
+        return False
+    data_file = folder / name
     try:
         return data_file.is_file() and data_file.stat().st_size == int(index["data_bytes"])
     except (OSError, KeyError, TypeError, ValueError):
