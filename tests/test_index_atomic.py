@@ -294,3 +294,28 @@ def test_save_refuses_a_folder_that_is_not_an_index(tmp_path):
     _index(5, "x").save(tmp_path / "empty")
     with pytest.raises(IndexFolderError, match="index folder already"):
         _index(5, "x").save(tmp_path / "empty", replace=False)
+
+
+def test_a_link_stays_a_link_the_folder_keeps_its_permissions_and_the_working_folder_is_refused(tmp_path,
+                                                                                               monkeypatch):
+    import stat
+
+    from lightning_dml.errors import MissingFileError
+    from lightning_dml.index import add_gallery
+
+    real = tmp_path / "real"
+    _index(5, "a").save(real)
+    os.chmod(real, 0o750)
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    index = EmbeddingIndex.load(link)
+    index.add(_vectors(2, 5))
+    index.save(link)  # the folder the link points to is replaced, under its own lock
+    assert link.is_symlink() and len(EmbeddingIndex.load(real)) == 7 and stat.S_IMODE(real.stat().st_mode) == 0o750
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".real.lock", "link", "real"]
+    monkeypatch.chdir(real)
+    with pytest.raises(IndexFolderError, match="is the working folder"):
+        index.save(".")
+    with pytest.raises(MissingFileError, match="does not exist"):  # reported before anything is locked
+        add_gallery(tmp_path / "none", tmp_path)
+    assert not (tmp_path / ".none.lock").exists()

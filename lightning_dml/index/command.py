@@ -69,8 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="show the progress bar (default true)")
     build.add_argument("--overwrite", action="store_true",
                        help="replace an existing index folder (as a whole, once the new one is complete)")
-    build.add_argument("--lock_timeout", type=float, default=DEFAULT_LOCK_TIMEOUT,
-                       help=f"seconds to wait while another command writes the folder (default {DEFAULT_LOCK_TIMEOUT:g})")
+    build.add_argument("--lock_timeout", type=float, default=DEFAULT_LOCK_TIMEOUT, help="seconds to wait while "
+                       f"another command writes the folder (default {DEFAULT_LOCK_TIMEOUT:g})")
 
     add = sub.add_parser("add", help="add a gallery's new or changed images to an index")
     add.add_argument("--index", required=True, help="the index folder")

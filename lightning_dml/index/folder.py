@@ -7,8 +7,9 @@ one, never a mix, and a writer killed at any instant (Ctrl-C, ``SIGKILL``, a cra
 1. **Lock** (:func:`locked`): the file lock ``.P.lock`` *beside* the folder (``P``'s parent; not inside: the folder
    itself is replaced), with the holder's pid, host, command and start time in ``.P.lock.json`` while it is held.
    A second writer waits, saying who holds it (one line on stderr), for at most ``timeout`` seconds, then stops with
-   an :class:`IndexBusyError` naming the holder. The lock is re-entrant within a thread (``index add`` holds it from loading the index to saving it, and
-   the save inside takes it again), and is held only while a folder is written, not while a gallery is embedded.
+   an :class:`IndexBusyError` naming the holder. The lock is re-entrant within a thread: ``index add`` holds it from
+   loading the index to saving it (its embedding included), and the save inside takes it again; ``index build``
+   takes it only to write the folder, after embedding its gallery.
 2. **Write** every file into a fresh sibling ``.P.building-<pid>-<token>`` (:func:`replacing`).
 3. **Swap**: rename ``P`` to ``.P.old-<pid>-<token>``, rename the new folder to ``P``, rename the old one to
    ``.P.trash-<pid>-<token>`` and delete it. Python's standard library has no atomic exchange of two directories,
@@ -39,6 +40,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -49,6 +51,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 from lightning_dml.errors import MissingFileError, UserInputError
+from lightning_dml.index.manifest import IndexFolderError
 
 __all__ = ["DEFAULT_LOCK_TIMEOUT", "IndexBusyError", "holder", "locked", "lock_file", "real_folder", "recover",
            "replacing", "settle", "swap"]
@@ -211,8 +214,6 @@ def settle(folder: str | os.PathLike, timeout: float = DEFAULT_LOCK_TIMEOUT) -> 
         if isinstance(error, UserInputError):
             raise
         olds = [p for what, p in _siblings(path) if what == "old"]
-        from lightning_dml.index.manifest import IndexFolderError
-
         raise IndexFolderError(
             f"index folder {path} is missing: a replacement stopped halfway left the previous index in "
             f"{olds[0] if olds else 'a hidden sibling'}, which could not be renamed back ({error}); rename it back "
@@ -265,7 +266,12 @@ def replacing(folder: str | os.PathLike, *, timeout: float = DEFAULT_LOCK_TIMEOU
     block ends normally the sibling is swapped in, when it raises (``KeyboardInterrupt`` included) the sibling is
     deleted and ``folder`` is left as it was. ``check``: a callable run on :func:`real_folder` under the lock,
     before the sibling is made (to refuse a target, e.g. an existing index without ``--overwrite``)."""
-    real_folder(folder).parent.mkdir(parents=True, exist_ok=True)
+    target = real_folder(folder)
+    cwd = Path.cwd()
+    if cwd == target or target in cwd.parents:
+        raise IndexFolderError(f"{folder} is the working folder or holds it: an index folder is replaced as a whole; "
+                               "give another folder")
+    target.parent.mkdir(parents=True, exist_ok=True)
     with locked(folder, timeout, what) as path:
         recover(path)
         if check is not None:
@@ -273,6 +279,8 @@ def replacing(folder: str | os.PathLike, *, timeout: float = DEFAULT_LOCK_TIMEOU
         staged = _sibling(path, "building")
         staged.mkdir()
         try:
+            if path.is_dir():  # the new folder keeps the old one's permissions (a folder shared by a group)
+                os.chmod(staged, stat.S_IMODE(path.stat().st_mode))
             yield staged
             swap(staged, path)
         except BaseException:
