@@ -175,6 +175,34 @@ def test_middleware_declared_length_over_the_limit_is_refused_unread():
     assert sent[0]["status"] == 413 and (b"connection", b"close") in sent[0]["headers"]
 
 
+def test_middleware_bounds_the_pending_body_bytes():
+    """The bodies held at once (read, not yet answered) total at most max_pending_bytes: past it a 503 JSON error;
+    the count returns to 0 once a request is answered, refused or cut."""
+    limits = S.RequestLimits.of(max_image_bytes=1000, max_batch_bytes=1000, max_pending_bytes=2000)
+    app = S.SearchRequestMiddleware(echo_app, defaults=DEFAULTS, limits=limits)
+    data = png((8, 8))
+
+    def body_of(payload: bytes):
+        async def receive() -> dict:
+            return {"type": "http.request", "body": payload, "more_body": False}
+
+        return receive
+
+    headers = [(b"content-type", b"image/png")]
+    sent = _asgi_call(app, _scope(headers), body_of(data))
+    assert sent[0]["status"] == 200 and app.pending == 0
+    app.pending = 2000 - len(data) + 1  # other requests' bodies held
+    sent = _asgi_call(app, _scope(headers), body_of(data))
+    assert sent[0]["status"] == 503 and (b"connection", b"close") in sent[0]["headers"]
+    assert "server busy" in json.loads(sent[1]["body"])["error"] and app.pending == 2000 - len(data) + 1
+    app.pending = 2000 - len(data)
+    assert _asgi_call(app, _scope(headers), body_of(data))[0]["status"] == 200
+    assert app.pending == 2000 - len(data)
+    assert S.RequestLimits() == S.RequestLimits.of()  # the field defaults are the derived ones
+    with pytest.raises(S.ServeOptionError, match="--max_pending_bytes 10 must be at least the largest body"):
+        S.RequestLimits.of(max_pending_bytes=10).check()
+
+
 # --------------------------------------------------------------------------------------------- the model worker
 class FakeEmbedder:
     """Stands in for the index's ImageEmbedder: grayscale pixels, a mean-pooling "model"."""

@@ -5,6 +5,7 @@
     lightning-dml serve --index DIR --port 8000 [--host 127.0.0.1] [--k 10] [--max_batch_size 8]
         [--batch_timeout 0.01] [--rerank SPEC] [--threshold T] [--adaptive N] [--max_image_bytes BYTES]
         [--max_image_pixels PIXELS] [--max_batch_bytes BYTES] [--max_batch_pixels PIXELS] [--body_timeout S]
+        [--max_pending_bytes BYTES]
 
 Endpoints:
 
@@ -25,7 +26,8 @@ image file is at most ``max_image_bytes`` and ``max_image_pixels`` (width x heig
 read before anything is decoded), a JSON batch at most ``MAX_BATCH_IMAGES`` images, ``max_batch_bytes`` of image
 files and ``max_batch_pixels`` in total; the body limit follows from them (the raw body: ``max_image_bytes``; a
 JSON body: the base64 size of ``max_batch_bytes`` plus ``JSON_OVERHEAD`` per image and ``JSON_SLACK``); the body
-must arrive within ``body_timeout`` seconds; ``k`` is at most ``MAX_K`` and a re-ranking's ``candidates`` at most
+must arrive within ``body_timeout`` seconds; the bodies of the requests an API server process holds at once (read
+and not yet answered) total at most ``max_pending_bytes`` (503 past it: retry); ``k`` is at most ``MAX_K`` and a re-ranking's ``candidates`` at most
 ``MAX_K`` too (its other options within :data:`~lightning_dml.index.rerank.RERANK_LIMITS`; ``candidates`` and ``n``
 are clamped to the gallery size, :meth:`~lightning_dml.index.rerank.Reranker.search`).
 
@@ -54,6 +56,7 @@ import argparse
 import asyncio
 import base64
 import binascii
+import dataclasses
 import io
 import json
 import math
@@ -63,7 +66,6 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -114,7 +116,7 @@ class BadRequest(Exception):
         self.close = close
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class RequestLimits:
     """What one request may cost before the model runs (module docstring; ``serve`` options of the same names)."""
 
@@ -123,16 +125,20 @@ class RequestLimits:
     max_batch_bytes: int = BATCH_FACTOR * MAX_IMAGE_BYTES
     max_batch_pixels: int = BATCH_FACTOR * MAX_IMAGE_PIXELS
     body_timeout: float = BODY_TIMEOUT
+    max_pending_bytes: int = BATCH_FACTOR * (4 * (BATCH_FACTOR * MAX_IMAGE_BYTES // 3 + 64) + 2048)
 
     @classmethod
     def of(cls, max_image_bytes: int = MAX_IMAGE_BYTES, max_image_pixels: int = MAX_IMAGE_PIXELS,
            max_batch_bytes: int | None = None, max_batch_pixels: int | None = None,
-           body_timeout: float = BODY_TIMEOUT) -> RequestLimits:
-        """The limits, the batch ones defaulting to ``BATCH_FACTOR`` times the per-image ones."""
-        return cls(int(max_image_bytes), int(max_image_pixels),
-                   BATCH_FACTOR * int(max_image_bytes) if max_batch_bytes is None else int(max_batch_bytes),
-                   BATCH_FACTOR * int(max_image_pixels) if max_batch_pixels is None else int(max_batch_pixels),
-                   float(body_timeout))
+           body_timeout: float = BODY_TIMEOUT, max_pending_bytes: int | None = None) -> RequestLimits:
+        """The limits, the batch ones defaulting to ``BATCH_FACTOR`` times the per-image ones, the pending bytes to
+        ``BATCH_FACTOR`` JSON bodies of the largest size."""
+        limits = cls(int(max_image_bytes), int(max_image_pixels),
+                     BATCH_FACTOR * int(max_image_bytes) if max_batch_bytes is None else int(max_batch_bytes),
+                     BATCH_FACTOR * int(max_image_pixels) if max_batch_pixels is None else int(max_batch_pixels),
+                     float(body_timeout))
+        pending = BATCH_FACTOR * limits.json_body_bytes if max_pending_bytes is None else int(max_pending_bytes)
+        return dataclasses.replace(limits, max_pending_bytes=pending)
 
     def check(self) -> None:
         """:class:`ServeOptionError` naming an option out of range."""
@@ -144,6 +150,9 @@ class RequestLimits:
                                    "--max_image_pixels (a batch of one image is a batch)")
         if not (math.isfinite(self.body_timeout) and self.body_timeout > 0):
             raise ServeOptionError(f"--body_timeout {self.body_timeout} must be a number of seconds > 0")
+        if self.max_pending_bytes < max(self.max_image_bytes, self.json_body_bytes):
+            raise ServeOptionError(f"--max_pending_bytes {self.max_pending_bytes} must be at least the largest body "
+                                   f"({max(self.max_image_bytes, self.json_body_bytes)} bytes)")
 
     @property
     def json_body_bytes(self) -> int:
@@ -266,13 +275,30 @@ class SearchRequestMiddleware:
         self.limits = RequestLimits.of(max_image_bytes) if limits is None else limits
         self.path = path
         self._decode_slots: asyncio.Semaphore | None = None
+        self.pending = 0  # body bytes of the requests read and not yet answered (this process)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] != self.path or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
+        held = [0]
         try:
-            payload = await self._payload(scope, receive)
+            await self._search(scope, receive, send, held)
+        finally:
+            self.pending -= held[0]
+
+    def _hold(self, held: list[int], n: int) -> None:
+        """Counts ``n`` more body bytes of a request as pending; a 503 when that passes ``max_pending_bytes``."""
+        if self.pending + n > self.limits.max_pending_bytes:
+            raise BadRequest(503, f"server busy: request bodies of {self.pending} bytes pending, the limit is "
+                                  f"{self.limits.max_pending_bytes} (lightning-dml serve --max_pending_bytes); retry",
+                             close=True)
+        self.pending += n
+        held[0] += n
+
+    async def _search(self, scope: dict, receive: Any, send: Any, held: list[int]) -> None:
+        try:
+            payload = await self._payload(scope, receive, held)
         except BadRequest as e:
             await _send_json(send, e.status, {"error": e.message}, close=e.close)
             return
@@ -292,7 +318,7 @@ class SearchRequestMiddleware:
 
         await self.app({**scope, "headers": headers}, replay, send)
 
-    async def _payload(self, scope: dict, receive: Any) -> dict[str, Any]:
+    async def _payload(self, scope: dict, receive: Any, held: list[int]) -> dict[str, Any]:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         content_type = headers.get("content-type", "").split(";")[0].strip().lower()
         options = parse_query(scope.get("query_string", b"").decode("latin-1"), self.defaults, self.metric)
@@ -308,7 +334,7 @@ class SearchRequestMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise BadRequest(413, f"body of {int(declared)} bytes exceeds the limit of {limit} bytes "
                                   f"(lightning-dml serve {option})", close=True)
-        data = await _read_body(receive, limit, self.limits.body_timeout, option)
+        data = await _read_body(receive, limit, self.limits.body_timeout, option, lambda n: self._hold(held, n))
         if not data:
             raise BadRequest(400, "empty body: send the image file as the request body")
         if single:
@@ -372,8 +398,10 @@ class SearchRequestMiddleware:
         return raws, images
 
 
-async def _read_body(receive: Any, limit: int, timeout: float, option: str = "--max_image_bytes") -> bytes:
-    """The request body, at most ``limit`` bytes (413 past it), all of it within ``timeout`` seconds (408)."""
+async def _read_body(receive: Any, limit: int, timeout: float, option: str = "--max_image_bytes",
+                     hold: Any = None) -> bytes:
+    """The request body, at most ``limit`` bytes (413 past it), all of it within ``timeout`` seconds (408);
+    ``hold(n)`` is told of each chunk's size as it arrives (and may refuse it)."""
     chunks, total = [], 0
     deadline = time.monotonic() + timeout
     while True:
@@ -389,6 +417,8 @@ async def _read_body(receive: Any, limit: int, timeout: float, option: str = "--
         if total > limit:
             raise BadRequest(413, f"body exceeds the limit of {limit} bytes (lightning-dml serve {option})",
                              close=True)
+        if hold is not None:
+            hold(len(chunk))
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
@@ -569,6 +599,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "the JSON body limit is its base64 size plus a small allowance")
     p.add_argument("--max_batch_pixels", type=int, default=None,
                    help=f"most pixels of the images of one JSON batch (default {BATCH_FACTOR} x --max_image_pixels)")
+    p.add_argument("--max_pending_bytes", type=int, default=None,
+                   help=f"most body bytes of requests read and not yet answered, per API server process (default "
+                   f"{BATCH_FACTOR} JSON bodies of the largest size); more: 503, retry")
     p.add_argument("--body_timeout", type=float, default=BODY_TIMEOUT,
                    help=f"seconds a request's body may take to arrive (default {BODY_TIMEOUT:g}); slower: 408 and the "
                    "connection closed")
@@ -621,7 +654,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.batch_timeout < 0 or not args.timeout > args.batch_timeout:
         raise ServeOptionError(f"--batch_timeout {args.batch_timeout} must be >= 0 and below --timeout {args.timeout}")
     limits = RequestLimits.of(args.max_image_bytes, args.max_image_pixels, args.max_batch_bytes,
-                              args.max_batch_pixels, args.body_timeout)
+                              args.max_batch_pixels, args.body_timeout, args.max_pending_bytes)
     limits.check()
     cut = SearchCut.parse(args.threshold, args.adaptive)
     rerank = parse_rerank(args.rerank)
