@@ -27,9 +27,10 @@ read before anything is decoded), a JSON batch at most ``MAX_BATCH_IMAGES`` imag
 files and ``max_batch_pixels`` in total; the body limit follows from them (the raw body: ``max_image_bytes``; a
 JSON body: the base64 size of ``max_batch_bytes`` plus ``JSON_OVERHEAD`` per image and ``JSON_SLACK``); the body
 must arrive within ``body_timeout`` seconds; the bodies of the requests an API server process holds at once (read
-and not yet answered) total at most ``max_pending_bytes`` (503 past it: retry); ``k`` is at most ``MAX_K`` and a re-ranking's ``candidates`` at most
-``MAX_K`` too (its other options within :data:`~lightning_dml.index.rerank.RERANK_LIMITS`; ``candidates`` and ``n``
-are clamped to the gallery size, :meth:`~lightning_dml.index.rerank.Reranker.search`).
+and not yet answered) total at most ``max_pending_bytes`` (503 past it: retry); ``k`` is at most ``MAX_K`` and a
+re-ranking's ``candidates`` at most ``MAX_K`` too (its other options within
+:data:`~lightning_dml.index.rerank.RERANK_LIMITS`; ``candidates`` and ``n`` are clamped to the gallery size,
+:meth:`~lightning_dml.index.rerank.Reranker.search`).
 
 Bad requests get a 4xx JSON answer ``{"error": "..."}`` naming the problem, and never reach the model, so one bad
 request never fails the requests batched with it and the server keeps serving: wrong ``Content-Type`` (415), an
