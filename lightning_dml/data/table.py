@@ -261,10 +261,10 @@ def _missing_value(i: int, column: str, text: str, problems: Problems, leave_emp
 
 
 def resolved_paths(paths: Sequence[str | os.PathLike]) -> list[str]:
-    """Every path with its symbolic links followed (``os.path.realpath``), each folder resolved once (one
-    ``lstat`` per file for a link in the file name itself): two paths of one file give one string. Missing files
-    resolve as far as their folders exist."""
-    folders: dict[str, str] = {}
+    """Every path with its symbolic links followed (``os.path.realpath``): two paths of one file give one string.
+    Each folder is resolved once and listed once (``os.scandir``: which of its entries are links, without a
+    ``stat`` per file). Missing files resolve as far as their folders exist."""
+    folders: dict[str, tuple[str, frozenset[str]]] = {}
     out = []
     for path in paths:
         text = os.fspath(path)
@@ -273,11 +273,16 @@ def resolved_paths(paths: Sequence[str | os.PathLike]) -> list[str]:
         if tail in ("", ".", ".."):
             out.append(os.path.realpath(text))
             continue
-        real = folders.get(head)
-        if real is None:
-            real = folders[head] = os.path.realpath(head)
-        candidate = os.path.join(real, tail)
-        out.append(os.path.realpath(candidate) if os.path.islink(candidate) else candidate)
+        folder = folders.get(head)
+        if folder is None:
+            try:
+                with os.scandir(head) as entries:
+                    links = frozenset(entry.name for entry in entries if entry.is_symlink())
+            except OSError:  # a missing folder: no link in it
+                links = frozenset()
+            folder = folders[head] = (os.path.realpath(head), links)
+        candidate = os.path.join(folder[0], tail)
+        out.append(os.path.realpath(candidate) if tail in folder[1] else candidate)
     return out
 
 
