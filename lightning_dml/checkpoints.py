@@ -5,6 +5,8 @@
   truncated or corrupt, not written by ``torch.save``, holding pickled code objects, not a Lightning checkpoint.
   The advice torch gives for the last cases (``weights_only=False``, which runs any code the file holds) is never
   repeated.
+* :func:`read_torch_file`: the same safe load for the library's other ``torch.save`` files (predictions, cv folds).
+* :func:`local_checkpoint`: an ``http(s)://`` checkpoint downloaded to the cache (then read like a local file).
 * :func:`hparams_disagreements`: the hyper-parameters of a checkpoint that a configuration gives differently.
 * :func:`checkpoint_record`: ``{"path", "sha256"}`` of the checkpoint a run's weights came from (``None``: none),
   what ``lightning-dml`` logs as the ``checkpoint`` hyper-parameter and writes into the predictions file.
@@ -30,7 +32,11 @@ __all__ = [
     "checkpoint_record",
     "flatten",
     "hparams_disagreements",
+    "is_url",
+    "local_checkpoint",
     "read_checkpoint",
+    "read_torch_file",
+    "url_checkpoint_path",
 ]
 
 #: ``ckpt_path`` values Lightning resolves itself (not file names)
@@ -57,19 +63,21 @@ def _refused_global(error: BaseException) -> str | None:
     return found.group(1) if found else None
 
 
-def read_checkpoint(path: str | os.PathLike, what: str = "checkpoint") -> dict[str, Any]:
-    """Load the Lightning checkpoint at ``path`` on the CPU (memory-mapped when it is a ``torch.save`` archive).
+def read_torch_file(path: str | os.PathLike, what: str, kind: str = "checkpoint") -> Any:
+    """Load the ``torch.save`` file at ``path`` on the CPU with tensors and plain data only (``weights_only=True``;
+    memory-mapped when it is a zip archive), or raise one :class:`~lightning_dml.errors.UserInputError` naming it.
 
-    Only tensors and plain data are unpickled (``weights_only=True``): a lightning-dml checkpoint holds nothing
-    else. Every failure is one :class:`~lightning_dml.errors.UserInputError` naming the file:
-    :class:`~lightning_dml.errors.MissingFileError` (no such file) or
-    :class:`~lightning_dml.errors.CorruptFileError` (empty, truncated, not a checkpoint, holds code objects).
+    Every failure says which file and why: :class:`~lightning_dml.errors.MissingFileError` (no such file),
+    :class:`~lightning_dml.errors.CorruptFileError` (a folder, empty, truncated, not a ``torch.save`` file, or a
+    pickle of a Python object other than tensors and plain data: refused, never unpickled, since unpickling it
+    would run code from the file). ``what`` names the file in messages (``"--ckpt_path"``), ``kind`` what it should
+    be (``"checkpoint"``, ``"predictions file"``).
     """
     path = Path(path)
     if not path.exists():
         raise MissingFileError(f"{what} {path} does not exist")
     if path.is_dir():
-        raise CorruptFileError(f"{what} {path} is a folder, not a checkpoint file")
+        raise CorruptFileError(f"{what} {path} is a folder, not a {kind} file")
     try:
         size = path.stat().st_size
         with open(path, "rb") as handle:
@@ -78,21 +86,21 @@ def read_checkpoint(path: str | os.PathLike, what: str = "checkpoint") -> dict[s
         raise CorruptFileError(f"{what} {path} cannot be read: {error.strerror or error}") from error
     if size == 0:
         raise CorruptFileError(f"{what} {path} is empty (0 bytes): the run that wrote it was probably interrupted")
-    archive = magic == b"PK\x03\x04"  # torch.save's zip archive (every checkpoint since torch 1.6)
+    archive = magic == b"PK\x03\x04"  # torch.save's zip archive (every file since torch 1.6)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # e.g. the pickle-protocol note of the weights-only unpickler
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=archive)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=archive)
     except pickle.UnpicklingError as error:
         refused = _refused_global(error)
         if refused is None:  # not a pickle torch.load can read (text, another format)
             raise CorruptFileError(
-                f"{what} {path} is not a checkpoint: torch.load cannot read it (the file starts with {magic!r}, a "
-                "checkpoint with b'PK\\x03\\x04')"
+                f"{what} {path} is not a {kind}: torch.load cannot read it (the file starts with {magic!r}, a "
+                f"{kind} with b'PK\\x03\\x04')"
             ) from None
         raise CorruptFileError(
-            f"{what} {path} is not a lightning-dml checkpoint: it pickles the Python object {refused}, which a "
-            "checkpoint of this library never holds and which is not loaded, for safety (loading it would run code "
+            f"{what} {path} is not a lightning-dml {kind}: it pickles the Python object {refused}, which a "
+            f"{kind} of this library never holds and which is not loaded, for safety (loading it would run code "
             "from the file)"
         ) from None
     except RuntimeError as error:
@@ -101,12 +109,23 @@ def read_checkpoint(path: str | os.PathLike, what: str = "checkpoint") -> dict[s
                 f"{what} {path} is truncated or corrupt ({size} bytes; the torch.save archive cannot be read: "
                 f"{_first_sentence(str(error))}); it was probably cut off while being written or copied"
             ) from None
-        raise CorruptFileError(f"{what} {path} is not a checkpoint: {_first_sentence(str(error))}") from None
+        raise CorruptFileError(f"{what} {path} is not a {kind}: {_first_sentence(str(error))}") from None
     except Exception as error:  # noqa: BLE001 - any other torch.load failure means "not a torch.save file"
         raise CorruptFileError(
-            f"{what} {path} is not a checkpoint: torch.load cannot read it ({type(error).__name__}; the file "
-            f"starts with {magic!r}, a checkpoint with b'PK\\x03\\x04')"
+            f"{what} {path} is not a {kind}: torch.load cannot read it ({type(error).__name__}; the file "
+            f"starts with {magic!r}, a {kind} with b'PK\\x03\\x04')"
         ) from None
+
+
+def read_checkpoint(path: str | os.PathLike, what: str = "checkpoint") -> dict[str, Any]:
+    """Load the Lightning checkpoint at ``path`` on the CPU (memory-mapped when it is a ``torch.save`` archive).
+
+    Only tensors and plain data are unpickled (``weights_only=True``, :func:`read_torch_file`): a lightning-dml
+    checkpoint holds nothing else. Every failure is one :class:`~lightning_dml.errors.UserInputError` naming the
+    file: :class:`~lightning_dml.errors.MissingFileError` (no such file) or
+    :class:`~lightning_dml.errors.CorruptFileError` (empty, truncated, not a checkpoint, holds code objects).
+    """
+    checkpoint = read_torch_file(path, what, "checkpoint")
     if not isinstance(checkpoint, Mapping) or not {"state_dict", "pytorch-lightning_version"} <= set(checkpoint):
         if not isinstance(checkpoint, Mapping):
             held = f"a {type(checkpoint).__name__}"
@@ -121,6 +140,45 @@ def read_checkpoint(path: str | os.PathLike, what: str = "checkpoint") -> dict[s
             "'pytorch-lightning_version' a checkpoint written by the Trainer has"
         )
     return dict(checkpoint)
+
+
+# ------------------------------------------------------------------------------------------------- URLs
+def is_url(ckpt_path: str | os.PathLike) -> bool:
+    """Whether ``ckpt_path`` is a URL (``scheme://...``) rather than a file name."""
+    return "://" in str(ckpt_path)
+
+
+def url_checkpoint_path(url: str) -> Path:
+    """Where a checkpoint downloaded from ``url`` is cached: ``<cache root>/checkpoints/<16 hex digits of the
+    URL's sha256>-<file name>`` (:func:`~lightning_dml.data.cache_dir.cache_root`)."""
+    from urllib.parse import urlparse
+
+    from lightning_dml.data.cache_dir import cache_root
+
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", Path(urlparse(url).path).name).strip("._") or "checkpoint.ckpt"
+    digest = hashlib.sha256(url.encode("utf-8")).hexdigest()[:16]
+    return cache_root() / "checkpoints" / f"{digest}-{name[:80]}"
+
+
+def local_checkpoint(ckpt_path: str | os.PathLike, what: str = "--ckpt_path", progress: bool = True) -> Path:
+    """The local file of a checkpoint a user names: ``ckpt_path`` itself, or, for an ``http(s)://`` URL, its copy
+    in the cache (:func:`url_checkpoint_path`), downloaded first if missing (under a file lock, into a temporary
+    file renamed when complete; ``LIGHTNING_DML_OFFLINE=1`` forbids it). Either way the caller then reads it with
+    :func:`read_checkpoint`, never with Lightning's URL loader (which unpickles anything). Other URL schemes are
+    one :class:`~lightning_dml.errors.UserInputError`. A cached copy is reused: delete it to download again."""
+    text = str(ckpt_path)
+    if not is_url(text):
+        return Path(text)
+    scheme = text.split("://", 1)[0].lower()
+    if scheme not in ("http", "https"):
+        raise UserInputError(
+            f"{what} {text}: only local files and http(s):// URLs are read (safely, tensors only); copy a "
+            f"{scheme}:// checkpoint to a local file first"
+        )
+    from lightning_dml.download import fetch_url
+
+    return fetch_url(text, url_checkpoint_path(text), f"{what} {text}", "Or download the file yourself and give "
+                     "its local path.", progress=progress)
 
 
 # ------------------------------------------------------------------------------------------------- hyper-parameters

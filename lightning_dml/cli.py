@@ -33,6 +33,8 @@ from lightning_dml.checkpoints import (
     CheckpointMismatchError,
     hparams_disagreements,
     is_local_file_path,
+    is_url,
+    local_checkpoint,
     read_checkpoint,
 )
 from lightning_dml.data.base import DMLDataModule
@@ -194,7 +196,8 @@ class DMLCLI(LightningCLI):
     Checkpoints a run starts from (``--ckpt_path``):
 
     * a file that does not exist, is empty, truncated, not a checkpoint or holds pickled code is one error naming
-      the file and what is wrong with it (:func:`~lightning_dml.checkpoints.read_checkpoint`);
+      the file and what is wrong with it (:func:`~lightning_dml.checkpoints.read_checkpoint`); an ``http(s)://``
+      checkpoint is downloaded to the cache and read the same way (Lightning never loads the URL itself);
     * the model's hyper-parameters come from the checkpoint (LightningCLI's behaviour), and a value the config or
       the command line gives that differs from the checkpoint's (``--model.embedding_dim 32`` for a checkpoint
       of width 16) is an error naming the key and both values, never silently replaced;
@@ -261,7 +264,9 @@ class DMLCLI(LightningCLI):
         * ``best`` names the best checkpoint of a fit earlier in the same process: a ``lightning-dml`` command
           runs one, so it is an error here (name the file);
         * a local file is read (:func:`~lightning_dml.checkpoints.read_checkpoint`): missing, empty, truncated,
-          not a checkpoint, or holding pickled code objects is one error naming the file;
+          not a checkpoint, or holding pickled code objects is one error naming the file; an ``http(s)://`` URL is
+          downloaded to the cache first (:func:`~lightning_dml.checkpoints.local_checkpoint`) and that copy is read
+          the same way and handed to Lightning (other URL schemes are refused);
         * its model hyper-parameters must be ones this model takes, and every one of them that the config or the
           command line gives must equal the checkpoint's (LightningCLI would silently replace the given value by
           the checkpoint's): :class:`~lightning_dml.checkpoints.CheckpointMismatchError` naming each key and both
@@ -282,8 +287,11 @@ class DMLCLI(LightningCLI):
                 f"`lightning-dml {subcommand}` runs none: give the checkpoint file (the fit wrote "
                 "<default_root_dir>/checkpoints/best-epoch=...ckpt)"
             )
+        if is_url(ckpt_path):  # Lightning would unpickle a URL's file (weights_only=False): read the download here
+            ckpt_path = str(local_checkpoint(ckpt_path, what="--ckpt_path"))
+            self.config[subcommand]["ckpt_path"] = ckpt_path
         if not is_local_file_path(ckpt_path):
-            return  # last/hpc/registry/URLs: Lightning resolves and reads them
+            return  # last/hpc/registry: Lightning resolves and reads them
         if os.path.isdir(ckpt_path):
             strategy = str(self.config[subcommand].get("trainer", {}).get("strategy", "")).lower()
             if "fsdp" in strategy or "deepspeed" in strategy:

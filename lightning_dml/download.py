@@ -12,6 +12,8 @@
 * :func:`fetch_weights` downloads a weights file into the torch hub cache with :func:`torch.hub.download_url_to_file`
   (the function ``torch.hub.load_state_dict_from_url`` uses: progress bar, sha256 prefix checked, atomic
   rename), under a file lock next to the file.
+* :func:`fetch_url` downloads a file named only by its URL (a ``--ckpt_path https://...`` checkpoint) the same
+  way, into a cache path the caller chooses.
 * Offline: ``LIGHTNING_DML_OFFLINE=1`` in the environment, ``--offline`` on the command line or
   :func:`set_offline` forbid every download (a missing file raises :class:`~lightning_dml.errors.OfflineError`
   naming it); the switch also sets ``HF_HUB_OFFLINE=1`` for Hugging Face Hub.
@@ -59,6 +61,7 @@ __all__ = [
     "env_flag",
     "extract_archive",
     "fetch_dataset",
+    "fetch_url",
     "fetch_weights",
     "is_offline",
     "load_overrides",
@@ -505,4 +508,48 @@ def fetch_weights(remote: RemoteFile, folder: Path, what: str, hint: str, progre
         if problem is not None:
             path.unlink()
             raise ChecksumError(f"pretrained weights for {what} downloaded from {url} have {problem}; deleted. {hint}")
+    return path
+
+
+def fetch_url(url: str, path: Path, what: str, hint: str, progress: bool = True, timeout: float = 60.0) -> Path:
+    """``path``, downloaded first from ``url`` if missing (a file named only by its URL: no checksum is known, so
+    the file is whole or absent, and what it holds is the caller's to check).
+
+    The transfer goes to a temporary file beside ``path``, renamed into place when complete, under a file lock
+    next to ``path`` (the processes of a job download it once); ``timeout``: seconds without data before it fails.
+    Offline (``LIGHTNING_DML_OFFLINE=1``) a missing file is an :class:`~lightning_dml.errors.OfflineError`; a failed
+    transfer a :class:`~lightning_dml.errors.DownloadError` naming the URL (nothing is left behind).
+    """
+    path = Path(path).expanduser()
+    if path.is_file():
+        return path
+    _refuse_offline(what, path, hint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(path) + ".lock"):
+        if path.is_file():
+            return path
+        handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        try:
+            from tqdm.auto import tqdm
+
+            request = urllib.request.Request(url, headers={"User-Agent": "lightning-dml"})
+            with os.fdopen(handle, "wb") as out, urllib.request.urlopen(request, timeout=timeout) as response:
+                total = _expected_total(response, 0)
+                if total is not None:
+                    _check_disk_space(path.parent, total, f"downloading {what}")
+                with tqdm(total=total, unit="B", unit_scale=True, desc=path.name, disable=not progress,
+                          file=sys.stderr) as bar:
+                    while chunk := response.read(_CHUNK):
+                        out.write(chunk)
+                        bar.update(len(chunk))
+            written = Path(temporary).stat().st_size
+            if total is not None and written < total:
+                raise ConnectionError(f"connection closed after {written:,} of {total:,} bytes")
+            os.replace(temporary, path)
+        except NotEnoughDiskSpaceError:
+            raise
+        except (OSError, ValueError) as error:  # URLError, HTTPError, timeouts, resets are OSErrors
+            raise DownloadError(f"could not download {what} to {path}: {error}. {hint}") from None
+        finally:
+            Path(temporary).unlink(missing_ok=True)
     return path

@@ -11,8 +11,9 @@ import torch
 from pytorch_lightning.callbacks import BasePredictionWriter
 from pytorch_lightning.utilities import rank_zero_info
 
-from lightning_dml.checkpoints import checkpoint_record
+from lightning_dml.checkpoints import checkpoint_record, read_torch_file
 from lightning_dml.distributed import all_gather_object
+from lightning_dml.errors import CorruptFileError
 
 __all__ = ["PredictionWriter", "load_predictions"]
 
@@ -154,8 +155,9 @@ def load_predictions(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"no predictions file at {path} (lightning-dml predict writes <log_dir>/predictions.pt)")
-    data = torch.load(path, map_location="cpu", weights_only=True)
-    missing = {"embeddings", "labels", "indices", "paths"} - set(data)
+    # tensors and plain data only; anything else (pickled objects, a truncated file) is one CorruptFileError
+    data = read_torch_file(path, "predictions file", "predictions file")
+    missing = {"embeddings", "labels", "indices", "paths"} - set(data if isinstance(data, dict) else ())
     if missing:
-        raise ValueError(f"{path} is not a predictions file: missing {sorted(missing)}")
+        raise CorruptFileError(f"{path} is not a predictions file: missing {sorted(missing)}")
     return data

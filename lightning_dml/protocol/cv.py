@@ -50,6 +50,7 @@ import torch
 from scipy import stats
 
 from lightning_dml.callbacks.embedding import embed_loader
+from lightning_dml.checkpoints import read_checkpoint, read_torch_file
 from lightning_dml.metrics import RetrievalMetrics
 from lightning_dml.metrics.retrieval import eval_batch_targets
 from lightning_dml.protocol.budget import ProtocolError, load_budget
@@ -212,7 +213,7 @@ def run_fold(fit_args: Sequence[str], run_dir: Path, num_folds: int, fold: int, 
             callback = trainer.checkpoint_callback
             checkpoint = getattr(callback, "best_model_path", "") if callback else ""
             if checkpoint:
-                state = torch.load(checkpoint, map_location=model.device, weights_only=False)
+                state = read_checkpoint(checkpoint, what="the fold's best checkpoint")  # tensors only
                 model.load_state_dict(state["state_dict"])
             saved = embed_test_split(model, cli.datamodule)
             saved["val"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
@@ -263,7 +264,7 @@ def aggregate(run_dir: Path, log: bool = True) -> list[dict[str, Any]]:
         raise ProtocolError(f"cv --aggregate {run_dir}: {len(missing)} fold x repeat runs have not finished: {missing}")
     evaluations = []
     for row in paths:
-        saved = [torch.load(p, weights_only=False) for p in row]
+        saved = [read_torch_file(p, f"cv --aggregate {run_dir}: fold file", "fold embeddings file") for p in row]
         evaluations.append(evaluate_repeat(saved, saved[0]["recall_at"]))
     budget = {**saved[0]["budget"], "repeats": repeats}
     rows = table_rows(evaluations)
