@@ -1,19 +1,33 @@
 """Export the embedding model alone (backbone + embedding head, no loss, no Lightning) for inference.
 
-Three formats, written by :func:`export_embedding_model`:
+Four formats, written by :func:`export_embedding_model` (``python -m lightning_dml.export``: the first two by
+default, the program formats when asked for with ``--formats``):
 
-* ``embedding_state_dict.pt``: ``{"state_dict", "embedding_dim", "input_shape"}``; rebuild the backbone and
-  head classes (e.g. ``SmallConvNet`` + ``LinearEmbedding``), wrap them in :class:`EmbeddingModel` and call
-  ``load_state_dict``. Loads with ``torch.load(..., weights_only=True)``.
-* ``embedding_torchscript.pt``: a traced TorchScript module; ``torch.jit.load(path)`` needs only torch.
-* ``embedding_exported.pt2``: a ``torch.export`` program with a dynamic batch dimension;
+* ``embedding_model.safetensors`` (``safetensors``, the safe format): the weights as tensors only
+  (`safetensors <https://huggingface.co/docs/safetensors>`_) and, in the file's metadata, a JSON record of the
+  architecture: the backbone's and the head's ``class_path`` and ``init_args``
+  (:mod:`lightning_dml.models.records`) and the fusion. :func:`load_embedding_model` rebuilds the module from that
+  record, from the library's own classes only (timm models by name), and loads the tensors: nothing in the file is
+  unpickled or imported, so a file from a stranger cannot run code. This is what an index folder stores. Needs
+  lightning-dml (and timm for a timm backbone) to load.
+* ``embedding_state_dict.pt`` (``state_dict``): ``{"state_dict", "embedding_dim", "input_shape"}``; rebuild the
+  backbone and head classes (e.g. ``SmallConvNet`` + ``LinearEmbedding``), wrap them in :class:`EmbeddingModel` and
+  call ``load_state_dict``. Loads with ``torch.load(..., weights_only=True)`` (tensors and plain data only).
+* ``embedding_torchscript.pt`` (``torchscript``): a traced TorchScript module; ``torch.jit.load(path)`` needs only
+  torch.
+* ``embedding_exported.pt2`` (``torch_export``): a ``torch.export`` program with a dynamic batch dimension;
   ``torch.export.load(path).module()`` needs only torch.
+
+**Loading a TorchScript or ``torch.export`` file runs code chosen by whoever wrote it** (TorchScript code, and
+``torch.export`` archives may hold pickled weights): load only files you made yourself or got from someone you
+trust. :func:`load_embedding_model` refuses them unless called with ``trust_code=True``, and no command of the
+library that reads a shared folder (an index, a report) loads them.
 
 The exported function maps images ``[B, C, H, W]`` (preprocessed as in training: the data module's
 normalisation) to **raw** embeddings ``[B, D]``, as ``DMLModule.forward`` does; L2-normalise them for cosine
 retrieval, as the metrics do. Every file is written under a temporary name and renamed when complete, so an
-interrupted export never leaves a half-written file behind. :func:`load_embedding_model` loads any of the last two
-by file name.
+interrupted export never leaves a half-written file behind; the safe format is reloaded before the rename and its
+embeddings of the example batch must equal the module's.
 
 From the command line, with the config the run was trained with (``lightning-dml`` saves it as ``config.yaml``)::
 
@@ -24,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,10 +47,22 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from lightning_dml.errors import CorruptFileError, UserInputError
+
+SAFETENSORS = "embedding_model.safetensors"
 STATE_DICT = "embedding_state_dict.pt"
 TORCHSCRIPT = "embedding_torchscript.pt"
 TORCH_EXPORT = "embedding_exported.pt2"
-FORMATS = ("state_dict", "torchscript", "torch_export")
+FORMATS = ("safetensors", "state_dict", "torchscript", "torch_export")
+#: what ``python -m lightning_dml.export`` writes without ``--formats``: the formats that load without running code
+DEFAULT_FORMATS = ("safetensors", "state_dict")
+#: the safetensors metadata key holding the architecture record (JSON), and the record's format version
+RECORD_KEY = "lightning_dml.embedding_model"
+RECORD_FORMAT = 1
+
+
+class UnsafeFormatError(UserInputError, ValueError):
+    """A model file whose loading would run code from the file (TorchScript, ``torch.export``), not asked for."""
 
 
 class EmbeddingModel(nn.Module):
@@ -73,8 +100,94 @@ class _FusionEmbeddingModel(EmbeddingModel):
         return self.head(self.backbone.forward_levels(images))
 
 
+def architecture_record(model: EmbeddingModel, example: torch.Tensor, embedding_dim: int) -> dict[str, Any]:
+    """The JSON record of the safe format: ``{"format", "backbone", "head", "levels", "embedding_dim",
+    "input_shape"}`` (``backbone``/``head``: :func:`~lightning_dml.models.records.module_record`; ``levels``: the
+    head takes the backbone's multi-level features, fusion). A class the safe format cannot rebuild is an
+    :class:`~lightning_dml.models.records.UnsupportedModelError`."""
+    from lightning_dml.models.records import module_record
+
+    return {
+        "format": RECORD_FORMAT,
+        "backbone": module_record(model.backbone, "backbone"),
+        "head": module_record(model.head, "embedding head"),
+        "levels": isinstance(model, _FusionEmbeddingModel),
+        "embedding_dim": int(embedding_dim),
+        "input_shape": [int(v) for v in example.shape[1:]],
+    }
+
+
+def build_embedding_model(record: Any, where: str) -> EmbeddingModel:
+    """The (randomly initialised) :class:`EmbeddingModel` of an architecture record, built from the library's
+    allow-listed classes only (:func:`~lightning_dml.models.records.build_module`); a record that is not one is a
+    :class:`~lightning_dml.errors.CorruptFileError` naming ``where``."""
+    from lightning_dml.models.records import build_module
+
+    if not isinstance(record, dict) or record.get("format") != RECORD_FORMAT:
+        found = record.get("format") if isinstance(record, dict) else type(record).__name__
+        raise CorruptFileError(
+            f"{where}: architecture record of format {found!r}, this version of lightning-dml reads format "
+            f"{RECORD_FORMAT} (export the model again)"
+        )
+    if not isinstance(record.get("levels"), bool):
+        raise CorruptFileError(f"{where}: the architecture record's 'levels' must be true or false")
+    backbone = build_module(record.get("backbone"), "backbone", where)
+    head = build_module(record.get("head"), "embedding head", where)
+    wrapper = _FusionEmbeddingModel if record["levels"] else EmbeddingModel
+    return wrapper(backbone, head)
+
+
+def _write_safetensors(model: EmbeddingModel, record: dict[str, Any], path: Path) -> None:
+    from safetensors.torch import save_model
+
+    save_model(model, str(path), metadata={RECORD_KEY: json.dumps(record, sort_keys=True)})
+
+
+def load_safe_embedding_model(path: str | os.PathLike) -> EmbeddingModel:
+    """The model of a safe-format file (``embedding_model.safetensors``) on the CPU, in eval mode, without
+    gradients: rebuilt from its architecture record (:func:`build_embedding_model`), then its tensors loaded
+    (``safetensors``: no pickle). Every problem is one :class:`~lightning_dml.errors.CorruptFileError` naming the
+    file: truncated or not a safetensors file, no record, a record of classes the library does not rebuild,
+    tensors that do not fit the rebuilt model."""
+    from safetensors import safe_open
+    from safetensors.torch import load_model
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no exported model at {path}")
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            metadata = handle.metadata() or {}
+    except Exception as error:  # noqa: BLE001 - safetensors' header errors (truncated, not safetensors) name no file
+        detail = " ".join(str(error).split())[:200]
+        raise CorruptFileError(
+            f"exported model {path} is truncated or not a safetensors file ({path.stat().st_size} bytes: {detail})"
+        ) from None
+    if RECORD_KEY not in metadata:
+        raise CorruptFileError(
+            f"exported model {path} has no lightning-dml architecture record (metadata key {RECORD_KEY!r}): it was "
+            "not written by lightning_dml.export"
+        )
+    try:
+        record = json.loads(metadata[RECORD_KEY])
+    except ValueError as error:
+        raise CorruptFileError(f"exported model {path}: its architecture record is not JSON ({error})") from None
+    model = build_embedding_model(record, f"exported model {path}")
+    try:
+        load_model(model, str(path), strict=True)
+    except Exception as error:  # noqa: BLE001 - missing/unexpected/mis-shaped tensors, a truncated data section
+        detail = " ".join(str(error).split())[:300]
+        raise CorruptFileError(
+            f"exported model {path}: its tensors do not fit the recorded architecture or cannot be read ({detail})"
+        ) from None
+    model.eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
 def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")  # the suffix torch.export expects
     try:
         write(tmp)
         os.replace(tmp, path)
@@ -87,7 +200,7 @@ def export_embedding_model(
     module: nn.Module,
     directory: str | os.PathLike,
     example_input: torch.Tensor,
-    formats: Sequence[str] = FORMATS,
+    formats: Sequence[str] = DEFAULT_FORMATS,
 ) -> dict[str, Path]:
     """Write the embedding model of ``module`` to ``directory`` in each of ``formats``.
 
@@ -96,7 +209,8 @@ def export_embedding_model(
         directory: output folder (created if needed).
         example_input: a batch of preprocessed images ``[B, C, H, W]`` with the size the model will see; traced by
             TorchScript and ``torch.export`` (whose batch dimension is dynamic).
-        formats: any of ``"state_dict"``, ``"torchscript"``, ``"torch_export"``.
+        formats: any of ``"safetensors"``, ``"state_dict"``, ``"torchscript"``, ``"torch_export"`` (the last two
+            run code when loaded: see the module docstring).
 
     Returns:
         ``{format: path}`` of the files written.
@@ -116,9 +230,21 @@ def export_embedding_model(
     if reference.ndim != 2 or not torch.isfinite(reference).all():
         raise ValueError(f"the model must map images to finite embeddings [B, D], got {tuple(reference.shape)}")
 
+    record = architecture_record(model, example, int(reference.shape[1])) if "safetensors" in formats else None
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, Path] = {}
+    if record is not None:
+
+        def write_checked(path: Path) -> None:
+            _write_safetensors(model, record, path)
+            with torch.no_grad():
+                rebuilt = load_safe_embedding_model(path)(example)
+            if not torch.equal(rebuilt, reference):
+                raise RuntimeError(f"the model rebuilt from {path.name} does not reproduce the module's embeddings")
+
+        _atomic_write(out / SAFETENSORS, write_checked)
+        written["safetensors"] = out / SAFETENSORS
     if "state_dict" in formats:
         payload = {
             "state_dict": model.state_dict(),
@@ -140,26 +266,44 @@ def export_embedding_model(
     return written
 
 
-def load_embedding_model(path: str | os.PathLike) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Load an exported TorchScript (``.pt``) or ``torch.export`` (``.pt2``) embedding model; needs only torch."""
+def load_embedding_model(
+    path: str | os.PathLike, *, trust_code: bool = False
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Load an exported embedding model by file name.
+
+    * ``*.safetensors`` (the safe format): rebuilt from its architecture record, tensors only
+      (:func:`load_safe_embedding_model`); safe for files from anyone.
+    * TorchScript (``.pt``) or ``torch.export`` (``.pt2``): **loading runs code chosen by whoever wrote the file**;
+      refused (:class:`UnsafeFormatError`) unless ``trust_code=True``, for files you made yourself.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no exported model at {path}")
-    if path.suffix == ".pt2":
-        return torch.export.load(str(path)).module()
+    if path.suffix == ".safetensors":
+        return load_safe_embedding_model(path)
     if path.name == STATE_DICT:
         raise ValueError(
             f"{path} holds weights only: rebuild the backbone and head, wrap them in EmbeddingModel and call "
-            "load_state_dict(torch.load(path, weights_only=True)['state_dict'])"
+            "load_state_dict(torch.load(path, weights_only=True)['state_dict']), or export the safe format "
+            f"({SAFETENSORS}), which load_embedding_model rebuilds"
         )
-    return torch.jit.load(str(path), map_location="cpu")
+    kind = "torch.export" if path.suffix == ".pt2" else "TorchScript"
+    if not trust_code:
+        raise UnsafeFormatError(
+            f"{path} is a {kind} file, which is not loaded: loading it runs code chosen by whoever wrote it. Load the "
+            f"safe format ({SAFETENSORS}, python -m lightning_dml.export writes it), or pass trust_code=True for a "
+            "file you made yourself"
+        )
+    if path.suffix == ".pt2":
+        return torch.export.load(str(path)).module()  # trusted by the caller (trust_code=True)
+    return torch.jit.load(str(path), map_location="cpu")  # trusted by the caller (trust_code=True)
 
 
 def export_checkpoint(
     config: str | os.PathLike,
     ckpt_path: str | os.PathLike,
     directory: str | os.PathLike,
-    formats: Sequence[str] = FORMATS,
+    formats: Sequence[str] = DEFAULT_FORMATS,
     batch_size: int = 2,
 ) -> dict[str, Path]:
     """Export the embedding model of a ``lightning-dml`` checkpoint, rebuilt from the run's config.
@@ -169,6 +313,7 @@ def export_checkpoint(
     """
     import yaml
 
+    from lightning_dml.checkpoints import local_checkpoint, read_checkpoint
     from lightning_dml.cli import build_cli
 
     with open(config) as f:
@@ -181,9 +326,7 @@ def export_checkpoint(
         backbone_args["pretrained"] = False  # the checkpoint holds the weights: no download, no cache needed
     cfg["trainer"] = {"logger": False, "enable_checkpointing": False, "accelerator": "cpu", "devices": 1}
     cli = build_cli(["--config", yaml.safe_dump(cfg)], run=False)
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-    if "state_dict" not in checkpoint:
-        raise ValueError(f"{ckpt_path} is not a Lightning checkpoint (no `state_dict`)")
+    checkpoint = read_checkpoint(local_checkpoint(ckpt_path), what="--ckpt_path")  # tensors and plain data only
     cli.model.load_state_dict(checkpoint["state_dict"])
     datamodule = cli.datamodule
     datamodule.adopt_input_spec(cli.model)  # no trainer sets it up here: feed the backbone's input convention
@@ -195,11 +338,17 @@ def export_checkpoint(
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Export the embedding model of a lightning-dml checkpoint.")
     parser.add_argument("--config", required=True, help="the run's config (lightning-dml saves config.yaml)")
-    parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by the run")
+    parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by the run (a file or an http(s) URL)")
     parser.add_argument("--output", required=True, help="output folder")
-    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    parser.add_argument("--formats", nargs="+", default=list(DEFAULT_FORMATS), choices=FORMATS,
+                        help="safetensors and state_dict (default) load without running code; torchscript and "
+                        "torch_export run code when loaded: share them only with people who trust you")
     args = parser.parse_args(argv)
-    for name, path in export_checkpoint(args.config, args.ckpt_path, args.output, args.formats).items():
+    try:
+        written = export_checkpoint(args.config, args.ckpt_path, args.output, args.formats)
+    except UserInputError as error:
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
+    for name, path in written.items():
         print(f"{name}: {path}")
 
 
@@ -208,9 +357,15 @@ if __name__ == "__main__":
 
 
 __all__ = [
+    "DEFAULT_FORMATS",
+    "FORMATS",
     "EmbeddingModel",
+    "UnsafeFormatError",
+    "architecture_record",
+    "build_embedding_model",
     "embedding_model",
     "export_checkpoint",
     "export_embedding_model",
     "load_embedding_model",
+    "load_safe_embedding_model",
 ]

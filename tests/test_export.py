@@ -1,4 +1,5 @@
-"""The embedding model exported alone (state dict, TorchScript, torch.export) and reloaded without Lightning."""
+"""The embedding model exported alone (safetensors + architecture record, state dict, TorchScript, torch.export) and
+reloaded (the program formats without Lightning; they load only when trusted, tests/test_safe_loads.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import torch
 import yaml
 
 from lightning_dml.export import (
+    FORMATS,
+    SAFETENSORS,
     STATE_DICT,
     TORCH_EXPORT,
     TORCHSCRIPT,
@@ -40,14 +43,17 @@ def trained(tmp_path_factory):
         optimizer.step()
     module.eval()
     out = tmp_path_factory.mktemp("export")
-    paths = export_embedding_model(module, out, torch.randn(3, 1, 16, 16))
+    paths = export_embedding_model(module, out, torch.randn(3, 1, 16, 16), formats=FORMATS)
     return module, out, paths
 
 
-def test_every_format_is_written_and_nothing_else(trained):
-    _, out, paths = trained
-    assert set(paths) == {"state_dict", "torchscript", "torch_export"}
-    assert sorted(p.name for p in out.iterdir()) == sorted([STATE_DICT, TORCHSCRIPT, TORCH_EXPORT])
+def test_every_format_is_written_and_nothing_else(trained, tmp_path):
+    module, out, paths = trained
+    assert set(paths) == {"safetensors", "state_dict", "torchscript", "torch_export"}
+    assert sorted(p.name for p in out.iterdir()) == sorted([SAFETENSORS, STATE_DICT, TORCHSCRIPT, TORCH_EXPORT])
+    # by default only the formats that load without running code
+    default = export_embedding_model(module, tmp_path, torch.randn(2, 1, 16, 16))
+    assert set(default) == {"safetensors", "state_dict"}
 
 
 @pytest.mark.slow
@@ -95,8 +101,10 @@ def test_load_embedding_model_by_file_name(trained):
     images = torch.randn(2, 1, 16, 16)
     with torch.no_grad():
         expected = module(images)
+        assert torch.equal(load_embedding_model(out / SAFETENSORS)(images), expected)
         for name in (TORCHSCRIPT, TORCH_EXPORT):
-            torch.testing.assert_close(load_embedding_model(out / name)(images), expected, rtol=1e-5, atol=1e-6)
+            loaded = load_embedding_model(out / name, trust_code=True)
+            torch.testing.assert_close(loaded(images), expected, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="weights only"):
         load_embedding_model(out / STATE_DICT)
     with pytest.raises(FileNotFoundError, match="no exported model"):
@@ -105,7 +113,7 @@ def test_load_embedding_model_by_file_name(trained):
 
 def test_bad_export_requests_write_nothing(trained, tmp_path):
     module, _, _ = trained
-    with pytest.raises(ValueError, match="unknown export format.*onnx.*valid formats: state_dict"):
+    with pytest.raises(ValueError, match="unknown export format.*onnx.*valid formats: safetensors, state_dict"):
         export_embedding_model(module, tmp_path / "a", torch.randn(2, 1, 16, 16), formats=["onnx"])
     with pytest.raises(ValueError, match=r"example_input must be an image batch \[B, C, H, W\], got \(1, 16, 16\)"):
         export_embedding_model(module, tmp_path / "b", torch.randn(1, 16, 16))
@@ -129,13 +137,16 @@ def test_export_a_checkpoint_from_its_config(tmp_path, tmp_path_factory):
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
     torch.manual_seed(1)
     module = DMLModule(SmallConvNet(width=4), embedding_dim=8, clustering=False)
-    torch.save({"state_dict": module.state_dict()}, tmp_path / "last.ckpt")
-    paths = export_checkpoint(tmp_path / "config.yaml", tmp_path / "last.ckpt", tmp_path / "out", ["torchscript"])
-    assert list(paths) == ["torchscript"]
+    torch.save({"state_dict": module.state_dict(), "pytorch-lightning_version": "2.6.0"}, tmp_path / "last.ckpt")
+    paths = export_checkpoint(tmp_path / "config.yaml", tmp_path / "last.ckpt", tmp_path / "out",
+                              ["safetensors", "torchscript"])
+    assert list(paths) == ["safetensors", "torchscript"]
     module.eval()
     images = torch.randn(3, 1, 16, 16)
     with torch.no_grad():
-        torch.testing.assert_close(load_embedding_model(paths["torchscript"])(images), module(images))
+        assert torch.equal(load_embedding_model(paths["safetensors"])(images), module(images))
+        loaded = load_embedding_model(paths["torchscript"], trust_code=True)
+        torch.testing.assert_close(loaded(images), module(images))
 
 
 def test_export_feeds_the_backbone_its_input_convention(tmp_path):
@@ -156,8 +167,8 @@ def test_export_feeds_the_backbone_its_input_convention(tmp_path):
         },
     }
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    torch.save({"state_dict": DMLModule(SmallConvNet(in_channels=1, width=4), embedding_dim=8).state_dict()},
-               tmp_path / "last.ckpt")
+    torch.save({"state_dict": DMLModule(SmallConvNet(in_channels=1, width=4), embedding_dim=8).state_dict(),
+                "pytorch-lightning_version": "2.6.0"}, tmp_path / "last.ckpt")
     with pytest.warns(UserWarning, match="differs from the copy the papers use"):
         paths = export_checkpoint(tmp_path / "config.yaml", tmp_path / "last.ckpt", tmp_path / "out", ["state_dict"])
     assert torch.load(paths["state_dict"], weights_only=True)["input_shape"] == [1, 16, 16]

@@ -99,7 +99,7 @@ def test_build_writes_the_folder_and_search_finds_each_gallery_image_first(fixtu
     assert manifest.checkpoint == checkpoint_record(fixture["ckpt"])
     assert manifest.input_spec["color"] == "L" and manifest.preprocess == {"crop_size": 32, "resize_size": 32,
                                                                            "mode": "L"}
-    assert (fixture["flat"] / "embedding_exported.pt2").is_file()
+    assert (fixture["flat"] / "embedding_model.safetensors").is_file()
     # the exported model + preprocessing embed as the build's predict loop did
     torch.testing.assert_close(
         torch.nn.functional.normalize(index.embed_images(index.table.paths), dim=1), index.embeddings,

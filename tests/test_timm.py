@@ -511,13 +511,15 @@ def test_export_timm_embedding_model_all_formats(family, tmp_path):
     from lightning_dml.module import DMLModule
 
     module = DMLModule(_build(family), loss="multi_similarity", embedding_dim=8).eval()
-    paths = export_embedding_model(module, tmp_path, _images(family, 2))
-    assert set(paths) == {"state_dict", "torchscript", "torch_export"}
+    paths = export_embedding_model(module, tmp_path, _images(family, 2),
+                                   formats=("safetensors", "state_dict", "torchscript", "torch_export"))
+    assert set(paths) == {"safetensors", "state_dict", "torchscript", "torch_export"}
     images = _images(family, 3)  # another batch size than the example
     with torch.no_grad():
         want = module(images)
+    torch.testing.assert_close(load_embedding_model(paths["safetensors"])(images), want, rtol=0, atol=0)
     for fmt in ("torchscript", "torch_export"):
-        torch.testing.assert_close(load_embedding_model(paths[fmt])(images), want, msg=fmt)
+        torch.testing.assert_close(load_embedding_model(paths[fmt], trust_code=True)(images), want, msg=fmt)
     saved = torch.load(paths["state_dict"], weights_only=True)
     assert saved["embedding_dim"] == 8 and saved["input_shape"] == [3, *images.shape[2:]]
 
@@ -536,13 +538,15 @@ def test_export_checkpoint_of_a_timm_run_needs_no_weights_download(cub_root, tmp
     config = yaml.safe_load(cli.parser.dump(cli.config["fit"] if "fit" in cli.config else cli.config))
     config["model"]["backbone"]["init_args"]["pretrained"] = True
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
-    torch.save({"state_dict": cli.model.state_dict()}, tmp_path / "run.ckpt")
+    torch.save({"state_dict": cli.model.state_dict(), "pytorch-lightning_version": "2.6.0"}, tmp_path / "run.ckpt")
     export_main(["--config", str(tmp_path / "config.yaml"), "--ckpt_path", str(tmp_path / "run.ckpt"),
-                 "--output", str(tmp_path / "out"), "--formats", "torch_export"])
+                 "--output", str(tmp_path / "out"), "--formats", "safetensors", "torch_export"])
     images = _images("dinov2_reg", 2)
     with torch.no_grad():
         want = cli.model.eval()(images)
-    torch.testing.assert_close(load_embedding_model(tmp_path / "out" / "embedding_exported.pt2")(images), want)
+    torch.testing.assert_close(load_embedding_model(tmp_path / "out" / "embedding_model.safetensors")(images), want)
+    loaded = load_embedding_model(tmp_path / "out" / "embedding_exported.pt2", trust_code=True)
+    torch.testing.assert_close(loaded(images), want)
 
 
 # ------------------------------------------------------------------------------------------------ recipes

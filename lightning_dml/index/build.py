@@ -3,14 +3,14 @@
 
 The gallery is embedded by :func:`~lightning_dml.index.embed.predict_embeddings` (``Trainer.predict``: devices,
 DDP, workers, progress bar as ``lightning-dml predict``), with the evaluation transform of the config's data module
-and the backbone's input spec, and the embedding model is exported (``torch.export``) into the index folder, so
-adding and searching later need neither the config nor the checkpoint.
+and the backbone's input spec, and the embedding model is exported (the safe format: tensors and a JSON record
+of the architecture) into the index folder, so adding and searching later need neither the config nor the
+checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import tempfile
 from pathlib import Path
@@ -85,20 +85,18 @@ def build_index(
 
 
 def _export(module: Any, out: Path, spec: Any, preprocess: dict[str, Any]) -> None:
-    """The embedding model as ``out/embedding_exported.pt2`` (written elsewhere, then moved: never half-written)."""
+    """The embedding model as ``out/embedding_model.safetensors`` (:data:`~lightning_dml.index.index.MODEL`): the
+    safe format of :mod:`lightning_dml.export`, weights as tensors and a JSON record of the architecture, so that
+    loading the folder never unpickles anything its author chose; written elsewhere, then moved (never
+    half-written). A model the safe format cannot rebuild (a backbone class of the user's own) is one
+    :class:`~lightning_dml.models.records.UnsupportedModelError`."""
     from lightning_dml.export import export_embedding_model
 
     out.mkdir(parents=True, exist_ok=True)
     example = torch.zeros(2, spec.channels, preprocess["crop_size"], preprocess["crop_size"])
-    log = logging.getLogger("torch.export.pt2_archive._package")  # warns that the temporary name lacks .pt2
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        with tempfile.TemporaryDirectory(dir=out, prefix=".export-") as tmp:
-            written = export_embedding_model(module, tmp, example, formats=("torch_export",))
-            os.replace(written["torch_export"], out / MODEL)
-    finally:
-        log.setLevel(level)
+    with tempfile.TemporaryDirectory(dir=out, prefix=".export-") as tmp:
+        written = export_embedding_model(module, tmp, example, formats=("safetensors",))
+        os.replace(written["safetensors"], out / MODEL)
 
 
 def add_gallery(

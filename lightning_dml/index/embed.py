@@ -9,8 +9,9 @@
 * :func:`predict_embeddings`: the raw embeddings of image files by ``Trainer.predict`` (devices, DDP, workers and
   the progress bar as ``lightning-dml predict`` has them), gathered by
   :class:`~lightning_dml.callbacks.PredictionWriter` (rank 0 returns them, the other ranks ``None``).
-* :class:`ImageEmbedder`: the exported model (``torch.export``, :mod:`lightning_dml.export`) and the same
-  preprocessing, batched, on a device: what search uses, with no training config.
+* :class:`ImageEmbedder`: the index folder's model (the safe format of :mod:`lightning_dml.export`: tensors only
+  and a JSON record of the architecture, rebuilt from the library's own classes: nothing in the folder is
+  unpickled) and the same preprocessing, batched, on a device: what search uses, with no training config.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_dml.checkpoints import CheckpointMismatchError, checkpoint_record, read_checkpoint
+from lightning_dml.checkpoints import CheckpointMismatchError, checkpoint_record, local_checkpoint, read_checkpoint
 from lightning_dml.data.image_list import ImageListDataset, collate_skipping, load_image
 from lightning_dml.data.transforms import default_resize_size, eval_transform
 from lightning_dml.errors import UserInputError
@@ -65,6 +66,7 @@ def load_checkpoint_model(config: str | os.PathLike, ckpt_path: str | os.PathLik
         raise UserInputError(f"--config {config} is not YAML: {error}") from None
     if not isinstance(cfg, dict) or "model" not in cfg or "data" not in cfg:
         raise UserInputError(f"--config {config} is not a lightning-dml config (it needs `model` and `data` sections)")
+    ckpt_path = local_checkpoint(ckpt_path, what="--ckpt_path")  # an http(s) URL: its downloaded copy
     checkpoint = read_checkpoint(ckpt_path, what="--ckpt_path")
     cfg = copy.deepcopy(cfg)
     cfg.pop("ckpt_path", None)
@@ -165,7 +167,14 @@ def predict_embeddings(
 
 
 class ImageEmbedder:
-    """Embeds images with an exported model (a ``torch.export`` ``.pt2`` file) and the index's preprocessing.
+    """Embeds images with an index folder's model (``embedding_model.safetensors``, the safe format of
+    :mod:`lightning_dml.export`) and the index's preprocessing.
+
+    The model is rebuilt from the file's architecture record and its tensors
+    (:func:`~lightning_dml.export.load_safe_embedding_model`): nothing the folder's author chose is unpickled or
+    imported. A model in the old ``torch.export`` format (``embedding_exported.pt2``, written by lightning-dml
+    before the safe format) is refused, not loaded (loading it can run code from the file): one
+    :class:`~lightning_dml.index.manifest.IndexFolderError` saying to rebuild the index.
 
     ``embedder(images)`` takes image paths or PIL images and returns raw embeddings ``[N, D]`` on ``device``,
     computed in batches of ``batch_size`` (eval-mode models embed each image independently of its batch). An
@@ -174,10 +183,19 @@ class ImageEmbedder:
 
     def __init__(self, model_path: str | os.PathLike, spec: InputSpec, preprocess: dict[str, Any],
                  device: str | torch.device = "cpu", batch_size: int = 64) -> None:
-        from lightning_dml.export import load_embedding_model
+        from lightning_dml.export import load_safe_embedding_model
+        from lightning_dml.index.manifest import IndexFolderError
 
+        model_path = Path(model_path)
+        if model_path.suffix != ".safetensors":
+            raise IndexFolderError(
+                f"index folder {model_path.parent}: its model {model_path.name} is not in the safe format and is not "
+                "loaded (a torch.export or TorchScript file runs code chosen by whoever wrote it): rebuild the index "
+                "with this version of lightning-dml index build, which stores embedding_model.safetensors (tensors "
+                "and a JSON record only)"
+            )
         self.device = torch.device(device)
-        self.model = load_embedding_model(model_path)
+        self.model = load_safe_embedding_model(model_path)
         if self.device.type != "cpu":
             self.model = self.model.to(self.device)
         self.spec = spec

@@ -11,9 +11,10 @@ An index folder (:meth:`EmbeddingIndex.save`, :meth:`EmbeddingIndex.load`) holds
 * ``embeddings.npy``: float32 ``[N, D]``, the vectors as the index compares them (L2-normalised for ``cosine``), in
   table order: the exact vectors of re-ranking (:meth:`vectors`), of ``index evaluate``'s exact search, and of the
   rebuild of an HNSW index after :meth:`remove`;
-* ``embedding_exported.pt2``: the embedding model exported with ``torch.export``
-  (:func:`~lightning_dml.export.export_embedding_model`), so :meth:`embed_images` and ``lightning-dml search``
-  need no training config (absent for an index built from tensors).
+* ``embedding_model.safetensors``: the embedding model in the safe format of
+  :func:`~lightning_dml.export.export_embedding_model` (weights as tensors, a JSON record of the architecture,
+  rebuilt from the library's own classes: loading it unpickles nothing), so :meth:`embed_images` and
+  ``lightning-dml search`` need no training config (absent for an index built from tensors).
 
 The folder is written and read as a whole (:mod:`lightning_dml.index.folder`): a save writes a new sibling folder
 under the lock ``.NAME.lock`` beside it and swaps it in, so a reader or a killed writer never leaves or sees old
@@ -55,7 +56,7 @@ __all__ = ["EmbeddingIndex", "IndexTable"]
 
 TABLE = "table.csv"
 EMBEDDINGS = "embeddings.npy"
-MODEL = "embedding_exported.pt2"
+MODEL = "embedding_model.safetensors"
 TABLE_COLUMNS = ("id", "path", "label", "size", "mtime_ns")
 _FAISS_FILE = re.compile(r"^(index|shard-\d+)\.faiss$")
 _LOAD_ATTEMPTS = 5

@@ -10,7 +10,9 @@ Written by :meth:`~lightning_dml.index.EmbeddingIndex.save`, read by :meth:`~lig
 * ``checkpoint``: ``{"path", "sha256"}`` of the checkpoint the gallery was embedded with (``None``: built from
   tensors without one), ``input_spec`` (the backbone's :class:`~lightning_dml.models.input_spec.InputSpec` as a
   dict) and ``preprocess`` (``crop_size``, ``resize_size``, ``mode``: the evaluation transform of the run's data
-  module), ``model`` (file name of the exported model beside it, ``None`` without one);
+  module), ``model`` (file name of the exported model beside it: ``embedding_model.safetensors``, tensors and a JSON
+  architecture record, :mod:`lightning_dml.export`; ``None`` without one; a folder naming the old
+  ``embedding_exported.pt2`` is refused when its model is needed: rebuild it);
 * ``gallery``: the gallery sources added (paths as given, absolute); each file's size and modification time are in
   the table (``size``, ``mtime_ns`` columns), which :meth:`~lightning_dml.index.EmbeddingIndex.changed_files` compares;
 * ``uid``: a random id written by each save (:func:`folder_uid`): a reader that finds another ``uid`` after reading

@@ -30,6 +30,7 @@ from torch import nn
 from lightning_dml.download import fetch_weights
 from lightning_dml.errors import CorruptFileError, MissingFileError
 from lightning_dml.models.input_spec import BNINCEPTION, TORCHVISION_IMAGENET, InputSpec
+from lightning_dml.models.records import RecordsInitArgs
 from lightning_dml.models.weights import WEIGHTS, weights_entry
 
 Pooling = Literal["avg", "max", "avgmax"]
@@ -115,11 +116,13 @@ def _cached_weights(name: str, weights_path: str | os.PathLike | None) -> dict[s
     return load_state_dict_file(fetch_weights(remote, cache, name, hint), name, hint)
 
 
-class Backbone(nn.Module):
+class Backbone(RecordsInitArgs, nn.Module):
     """Base class of the backbones: pooled last-stage features and pooled multi-level features.
 
     Subclasses set ``out_features``, ``level_features``, ``level_names`` and ``input_spec`` and implement
     :meth:`forward_levels`; ``forward`` returns its last element.
+    ``init_args`` records the constructor's arguments (:class:`~lightning_dml.models.records.RecordsInitArgs`), so
+    the safe export format can rebuild the backbone from plain data.
 
     Args:
         pooling: global pooling of every returned feature map: ``"avg"``, ``"max"`` or ``"avgmax"`` (their sum).

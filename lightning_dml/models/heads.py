@@ -9,8 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_dml.models.records import RecordsInitArgs
 
-class LinearEmbedding(nn.Module):
+
+class LinearEmbedding(RecordsInitArgs, nn.Module):
     """A linear layer from ``in_features`` to ``embedding_dim``, optionally followed by BatchNorm or LayerNorm.
 
     The output is the *raw* embedding: losses and metrics L2-normalise it where their paper does (SPEC 9.2).
@@ -40,7 +42,7 @@ class LinearEmbedding(nn.Module):
         return self.norm(self.fc(features))
 
 
-class MultiLevelEmbedding(nn.Module):
+class MultiLevelEmbedding(RecordsInitArgs, nn.Module):
     """One :class:`LinearEmbedding` per backbone level, concatenated: multi-level feature fusion.
 
     RLL (Sec. 4.4) attaches a 512-d embedding to each of BN-Inception's inception-3c / 4e / 5b outputs ("L, M,
