@@ -54,5 +54,18 @@ compare: $(STAMP)
 mutants: $(STAMP)
 	nice -n 19 $(PY) tools/mutants.py $(MUTANTS_ARGS)
 
+## The GPU check (docs/gpu.md). gpu-wheels: download here the few wheels a GPU machine lacks, for its Python 3.12,
+## into gpu-wheels/ (ignored; about 1 MiB). gpu-check: on the GPU machine, with its own python3 (never .venv: the
+## device copies the working tree, not the venv), tests, benchmarks and a fit on CUDA within 450 s, summary in
+## $(OUT)/gpu-check.md and .json. gpu-check-dry: the same steps on the CPU at tiny sizes (tests/test_gpu_check.py).
+.PHONY: gpu-wheels gpu-check gpu-check-dry
+OUT ?= logs/gpu-check
+gpu-wheels: $(STAMP)
+	$(PY) tools/gpu_check.py --download-wheels gpu-wheels
+gpu-check:
+	$(PYTHON) tools/gpu_check.py --out "$(OUT)" --wheels gpu-wheels $(GPU_CHECK_ARGS)
+gpu-check-dry: $(STAMP)
+	$(PY) tools/gpu_check.py --dry-run --out logs/gpu-check-dry $(GPU_CHECK_ARGS)
+
 clean:
 	rm -rf $(VENV) logs lightning_logs wandb *.egg-info .pytest_cache
