@@ -154,6 +154,42 @@ def test_steps_past_the_total_budget_are_skipped(tmp_path):
     assert second["status"] == "skipped" and "budget" in second["note"]
 
 
+def test_a_terminated_check_kills_the_running_step_and_leaves_a_summary(tmp_path):
+    """What the device tool's time limit does (SIGTERM): the running step is marked interrupted, its processes go,
+    the steps before it keep their figures."""
+    pid_file = tmp_path / "step.pid"
+    driver = f"""
+import sys
+sys.path.insert(0, {str(SCRIPT.parent)!r})
+import gpu_check as check
+step = lambda name, code: check.Step(name, name, 60, 60, lambda ctx: [[sys.executable, "-c", code]])
+steps = [step("done", "print('fine')"),
+         step("hang", "import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"),
+         step("never", "print('no')")]
+sys.exit(check.run_check(check.parse_args(["--dry-run", "--out", {str(tmp_path / "out")!r}]), steps))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", driver], cwd=ROOT)
+    try:
+        for _ in range(300):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.1)
+        proc.terminate()
+        assert proc.wait(timeout=30) == 1
+    finally:
+        proc.kill()
+    data = json.loads((tmp_path / "out" / "gpu-check.json").read_text())
+    assert [s["status"] for s in data["steps"]] == ["passed", "interrupted", "pending"]
+    assert data["state"] == "interrupted"
+    step_pid = int(pid_file.read_text())
+    for _ in range(50):
+        if not _alive(step_pid):
+            break
+        time.sleep(0.1)
+    assert not _alive(step_pid)
+    assert "| hang | interrupted |" in (tmp_path / "out" / "gpu-check.md").read_text()
+
+
 # ------------------------------------------------------------------------------------------------ carried wheels
 def test_install_falls_back_to_unzipping_a_wheel_where_pip_is_missing(tmp_path):
     make_wheel(tmp_path / "wheels")
