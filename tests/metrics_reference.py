@@ -10,11 +10,16 @@ import torch
 
 
 def brute_scores(x: torch.Tensor, metric: str = "cosine") -> torch.Tensor:
-    """Float64 score matrix, one row at a time (identical rows give bit-identical scores)."""
+    """Float64 score matrix, one row at a time (identical rows give bit-identical scores), by the definition of
+    docs/metrics.md: ``<x_q, x_g> / (|x_q| |x_g|)`` (or ``-|x_q - x_g|^2``) in float64. The cosine is divided
+    by the product of the norms, not taken between normalised rows: two pairs whose cosines are mathematically
+    equal (integer coordinates: ``1 / (sqrt(2) sqrt(2))`` and ``2 / (sqrt(4) sqrt(4))``) may then differ in the
+    last bit exactly as the engine's exact scores do; on integer coordinates the sums are exact in any order, so
+    these scores are bit-identical to the engine's."""
     x64 = x.double()
     if metric == "cosine":
-        f = x64 / x64.norm(dim=1, keepdim=True)
-        return torch.stack([(f * f[i]).sum(dim=1) for i in range(f.shape[0])])
+        norms = (x64 * x64).sum(dim=1).sqrt()
+        return torch.stack([(x64 * x64[i]).sum(dim=1) / (norms * norms[i]) for i in range(x64.shape[0])])
     return torch.stack([-((x64 - x64[i]) ** 2).sum(dim=1) for i in range(x64.shape[0])])
 
 
@@ -86,8 +91,10 @@ def brute_task_rankings(x, labels, metric="cosine", query_mask=None, gallery_mas
 
 def brute_task_metrics(x, labels, recall_at=(1, 2, 4, 8), metric="cosine", query_mask=None, gallery_mask=None,
                        sequence=None, category=None, precision_at=(), ndcg_at=(), fmrs=()):
-    """Every metric of docs/metrics.md from the definitions, in float64 and Python loops."""
+    """Every metric of docs/metrics.md from the definitions, in float64 and Python loops (``fmrs``: floats or
+    decimal strings; a string's figures are keyed by the string as given)."""
     import math
+    from fractions import Fraction
 
     rk = brute_task_rankings(x, labels, metric, query_mask, gallery_mask, sequence)
 
@@ -138,9 +145,12 @@ def brute_task_metrics(x, labels, recall_at=(1, 2, 4, 8), metric="cosine", query
         pos = sorted(sc for _, _, rel, _, scores in rk for is_rel, sc in zip(rel, scores) if is_rel)
         neg = sorted((sc for _, _, rel, _, scores in rk for is_rel, sc in zip(rel, scores) if not is_rel), reverse=True)
         for f in fmrs:
-            m = math.floor(f * len(neg))
+            # F exactly as the decimal number written (a float: its shortest repr), floor in integers
+            rate = Fraction(f) if isinstance(f, str) else Fraction(repr(float(f)))
+            m = (rate.numerator * len(neg)) // rate.denominator
             theta = neg[m] if m < len(neg) else -math.inf
-            out[f"fnmr@fmr={f:g}"] = sum(p <= theta for p in pos) / len(pos) if pos else 0.0
-            out[f"threshold@fmr={f:g}"] = theta
-            out[f"_fmr@fmr={f:g}"] = sum(v > theta for v in neg) / len(neg) if neg else 0.0
+            key = f if isinstance(f, str) else f"{f:g}"
+            out[f"fnmr@fmr={key}"] = sum(p <= theta for p in pos) / len(pos) if pos else 0.0
+            out[f"threshold@fmr={key}"] = theta
+            out[f"_fmr@fmr={key}"] = sum(v > theta for v in neg) / len(neg) if neg else 0.0
     return out

@@ -239,7 +239,7 @@ def test_metric_class_takes_sequences_categories_and_label_sets() -> None:
 
 
 @pytest.mark.parametrize("bad, match", [
-    (["precision@0"], "K must be >= 1"), (["fnmr@fmr=2"], r"false match rate must be a number in \(0, 1\)"),
+    (["precision@0"], "K must be >= 1"), (["fnmr@fmr=2"], r"false match rate must be a number in \(0, 1\]"),
     (["ndcg"], "unknown metric 'ndcg'"), (["fnmr@fmr=abc"], "false match rate"),
 ])
 def test_metric_names_are_checked(bad: list[str], match: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from fractions import Fraction
 
 import torch
 from torch import Tensor
@@ -79,6 +80,25 @@ def round_up(t: Tensor) -> Tensor:
     return torch.where(f.double() < t, torch.nextafter(f, torch.full_like(f, math.inf)), f)
 
 
+def exact_rate(value: float | str | Fraction) -> Fraction:
+    """A false match rate as an exact rational: a ``Fraction`` as is, a string as the decimal number it writes
+    (``"0.29"`` -> 29/100, ``"1e-3"`` -> 1/1000), a float as its shortest decimal ``repr`` (0.29 -> 29/100, not
+    the binary value 0.28999999999999998002...)."""
+    if isinstance(value, Fraction):
+        return value
+    text = value.strip() if isinstance(value, str) else repr(float(value))
+    try:
+        return Fraction(text)
+    except (ValueError, ZeroDivisionError):  # a spelling float() reads and Fraction() does not
+        return Fraction(repr(float(text)))
+
+
+def accepted_negatives(rate: float | str | Fraction, negatives: int) -> int:
+    """``floor(rate x negatives)`` in exact arithmetic: the negative pairs a false match rate lets through
+    (``fnmr@fmr``; float64 gives ``floor(0.29 x 100) = 28``)."""
+    return math.floor(exact_rate(rate) * int(negatives))
+
+
 @dataclass(frozen=True)
 class SearchRequest:
     """What one search computes, beside each query's best positive.
@@ -90,14 +110,23 @@ class SearchRequest:
         positive_ranks: the exact rank of every positive of every query (``map``, the mean average precision over
             the whole ranking).
         fmrs: false match rates at which the exact score threshold over all negative pairs is wanted
-            (``fnmr@fmr``).
+            (``fnmr@fmr``), as exact rationals (:class:`fractions.Fraction`; a float ``F`` stands for the decimal
+            number ``repr(F)``).
+        exact_rank: the rank of the first positive exact for every query (``mrr``), not only on the right side of
+            every K of ``rank_ks``.
     """
 
     k: int = 1
     rank_ks: tuple[int, ...] = (1,)
     exact_scores: bool = False
     positive_ranks: bool = False
-    fmrs: tuple[float, ...] = ()
+    fmrs: tuple[Fraction, ...] = ()
+    exact_rank: bool = False
+
+    def best_positive(self) -> bool:
+        """Whether the pass tracks each query's best positive (its rank is asked for, and ``map`` does not give
+        it already)."""
+        return bool(self.rank_ks) or self.exact_rank
 
 
 @dataclass
@@ -122,6 +151,7 @@ class PassState:
     buf_v: Tensor  # [rows, <=kc] largest approximate scores, descending
     buf_i: Tensor  # their gallery positions
     rank_ks: tuple[int, ...] = ()  # the K whose "rank < K" decisions must be exact
+    exact_rank: bool = False  # the rank of the best positive exact for every query (SearchRequest.exact_rank)
     # every positive (SearchRequest.positive_ranks): [rows, T] ascending by exact score, padded with -inf / -1
     pos_s: Tensor | None = None  # exact scores
     pos_g: Tensor | None = None  # gallery positions
@@ -147,6 +177,14 @@ class PassState:
     def counts(self) -> dict[str, Tensor]:
         """The fields of :attr:`COUNTS` that are set."""
         return {f: getattr(self, f) for f in self.COUNTS if getattr(self, f) is not None}
+
+    def count_limit(self, num_gallery: int) -> int:
+        """A query whose certain count ``lo`` reaches this is left out of further best-positive counting: the
+        largest K of :attr:`rank_ks` (its rank is then on the right side of every K), or, with
+        :attr:`exact_rank`, more than the gallery holds (every query counted to the end)."""
+        if self.exact_rank:
+            return num_gallery + 1
+        return max(self.rank_ks) if self.rank_ks else 0
 
 
 @dataclass

@@ -131,8 +131,8 @@ def run_distributed(
     everywhere. Every process must hold the same task, scorer inputs and grid (:func:`agree_search_settings`)."""
     rank, world = get_rank(group), get_world_size(group)
     dev = task.device
-    if request.positive_ranks:
-        request = SearchRequest(request.k, (), request.exact_scores, True, request.fmrs)
+    if request.positive_ranks:  # every positive's exact rank gives the first one's
+        request = replace(request, rank_ks=(), exact_rank=False)
     nb = grid.num_blocks(task)
     mine = list(range(rank, nb, world))
     with _Threads(1):

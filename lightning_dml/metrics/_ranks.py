@@ -21,7 +21,8 @@ score ``a`` (``Scorer.error_bound``):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from fractions import Fraction
 
 import torch
 from torch import Tensor
@@ -31,6 +32,7 @@ from lightning_dml.metrics._candidates import (
     PassState,
     SearchRequest,
     SearchResult,
+    accepted_negatives,
     concat_results,
     round_down,
 )
@@ -64,11 +66,15 @@ def _rank_best_rows(task: RetrievalTask, scorer: Scorer, grid: Grid, st: PassSta
 
 def best_positive_ranks(task: RetrievalTask, scorer: Scorer, grid: Grid, st: PassState) -> Tensor:
     """Rank of the best positive: exact where ``[lo, hi - 1]`` straddles a requested K, else ``lo`` (on the same
-    side of every K as the exact rank); ``-1`` for queries without positive."""
+    side of every K as the exact rank); with ``st.exact_rank`` exact for every query (the band is resolved wherever
+    it holds another item than the best positive: ``hi - lo > 1``). ``-1`` for queries without positive."""
     lo, hi, has = st.lo, st.hi, st.has
     rank = lo.clone()
-    ks = torch.tensor(st.rank_ks, dtype=torch.long, device=task.device)
-    amb = has & ((lo.unsqueeze(1) < ks) & (hi.unsqueeze(1) - 1 >= ks)).any(dim=1)
+    if st.exact_rank:
+        amb = has & (hi - lo > 1)
+    else:
+        ks = torch.tensor(st.rank_ks, dtype=torch.long, device=task.device)
+        amb = has & ((lo.unsqueeze(1) < ks) & (hi.unsqueeze(1) - 1 >= ks)).any(dim=1)
     ar = amb.nonzero().squeeze(1)
     for s in range(0, ar.numel(), 256):
         sub = ar[s : s + 256]
@@ -232,14 +238,16 @@ class PairThresholds:
     Attributes:
         fmrs: the requested false match rates.
         thresholds: ``theta``: a pair is accepted as a match when its score is ``> theta``; the largest negative
-            score ``theta`` with at most ``floor(fmr * negatives)`` negative pairs above it (``-inf`` when every
-            negative may be accepted).
+            score ``theta`` with at most ``floor(fmr * negatives)`` negative pairs above it (exact rational
+            arithmetic: :func:`~lightning_dml.metrics._candidates.accepted_negatives`; ``-inf`` when every negative
+            may be accepted).
         fmr: the false match rate at ``theta`` (``<= fmrs``).
-        fnmr: the false non-match rate at ``theta``: positive pairs with score ``<= theta`` over all positives.
+        fnmr: the false non-match rate at ``theta``: positive pairs with score ``<= theta`` over all positives
+            (0.0 when there is no positive pair).
         positives, negatives: the numbers of positive and negative (query, gallery) pairs.
     """
 
-    fmrs: tuple[float, ...]
+    fmrs: tuple[Fraction, ...]
     thresholds: list[float]
     fmr: list[float]
     fnmr: list[float]
@@ -255,7 +263,7 @@ def pair_totals(task: RetrievalTask) -> tuple[int, int]:
 
 
 def resolve_windows(
-    task: RetrievalTask, scorer: Scorer, windows: PairWindows, fmrs: tuple[float, ...], pos_sorted: Tensor,
+    task: RetrievalTask, scorer: Scorer, windows: PairWindows, fmrs: tuple[Fraction, ...], pos_sorted: Tensor,
 ) -> list[tuple[float, float, float] | None]:
     """Per false match rate, ``(theta, fmr, fnmr)`` from the merged windows, or None where the window does not hold
     the threshold (the caller then repairs the window). ``pos_sorted``: exact scores of every positive pair,
@@ -272,7 +280,7 @@ def resolve_windows(
         s_all = torch.empty(0, dtype=torch.float64, device=task.device)
         rel_all = torch.empty(0, dtype=torch.bool, device=task.device)
     for i, f in enumerate(fmrs):
-        k = math.floor(f * n_neg) + 1  # theta: the k-th largest negative score
+        k = accepted_negatives(f, n_neg) + 1  # theta: the k-th largest negative score
         if k > n_neg:
             out.append((-math.inf, 1.0 if n_neg else 0.0, 0.0))
             continue
@@ -305,7 +313,7 @@ def resolve_windows(
 
 
 def guaranteed_windows(
-    hist: Tensor, fmrs: tuple[float, ...], task: RetrievalTask, pos_sorted: Tensor, bound: float
+    hist: Tensor, fmrs: tuple[Fraction, ...], task: RetrievalTask, pos_sorted: Tensor, bound: float
 ) -> PairWindows:
     """Windows that certainly hold each threshold, from the histogram of every pair's approximate score
     (:func:`~lightning_dml.metrics._scan.histogram_pass`): exact counts are bracketed by the approximate ones
@@ -316,7 +324,7 @@ def guaranteed_windows(
     at_or_above = torch.flip(torch.cumsum(torch.flip(hist, [0]), 0), [0])  # approx >= floor[b]
     low, high = [], []
     for f in fmrs:
-        k = math.floor(f * n_neg) + 1
+        k = accepted_negatives(f, n_neg) + 1
         # U = floor[b] + bound: #neg{S > U} <= #{A > floor[b]} - #pos{S > U} <= at_or_above[b] - #pos{S > U}
         u = floor + bound
         pos_gt = pos_sorted.numel() - torch.searchsorted(pos_sorted, u, side="right")
@@ -369,8 +377,8 @@ def run_search(
     ``request.exact_scores=False`` re-scores only the candidates whose order is uncertain: the neighbour order is
     exact either way, but ``scores`` then holds approximate values where no re-scoring was needed.
     """
-    if request.positive_ranks:
-        request = SearchRequest(request.k, (), request.exact_scores, True, request.fmrs)
+    if request.positive_ranks:  # every positive's exact rank gives the first one's
+        request = replace(request, rank_ks=(), exact_rank=False)
     with _Threads(1):
         windows = pos_sorted = None
         if request.fmrs:
@@ -390,7 +398,7 @@ def run_search(
 
 
 def thresholds_of(
-    fmrs: tuple[float, ...], figures: list[tuple[float, float, float] | None], task: RetrievalTask
+    fmrs: tuple[Fraction, ...], figures: list[tuple[float, float, float] | None], task: RetrievalTask
 ) -> PairThresholds:
     """The :class:`PairThresholds` of resolved window figures (every one must be resolved)."""
     if any(f is None for f in figures):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 from torch import Tensor
@@ -143,7 +144,7 @@ def initial_state(task: RetrievalTask, scorer: Scorer, rows: Tensor, request: Se
     has = task.num_relevant[rows] > 0
     nr = rows.numel()
     inf = torch.full((nr,), math.inf, dtype=torch.float32, device=dev)
-    if request.rank_ks:
+    if request.best_positive():
         s_best = torch.full((nr,), -math.inf, dtype=torch.float64, device=dev)
         p_best = torch.full((nr,), -1, dtype=torch.long, device=dev)
         for s in range(0, nr, 8192):
@@ -173,7 +174,8 @@ def initial_state(task: RetrievalTask, scorer: Scorer, rows: Tensor, request: Se
     return PassState(
         rows=rows, w=w, has=has, s_best=s_best, p_best=p_best, thr_lo=thr_lo, thr_hi=thr_hi, lo=zeros,
         hi=zeros.clone(), kc=kc, buf_v=torch.empty(nr, 0, device=dev),
-        buf_i=torch.empty(nr, 0, dtype=torch.long, device=dev), rank_ks=tuple(request.rank_ks), **extra,
+        buf_i=torch.empty(nr, 0, dtype=torch.long, device=dev), rank_ks=tuple(request.rank_ks),
+        exact_rank=request.exact_rank, **extra,
     )
 
 
@@ -199,9 +201,10 @@ def _count_positive_bands(a: Tensor, st: PassState, sub: Tensor, dim: int) -> No
 def _count_side(a: Tensor, m: Tensor, st: PassState, rows: Tensor, dim: int, kmax: int) -> None:
     """Add the band counts of one side of a tile (dim=1: rows of ``a`` are queries; dim=0: columns).
 
-    A query whose certain count ``lo`` already reaches the largest K is a miss for every K, so it is left out of
-    further counting (its rank stays a lower bound on the right side of every K); only the still-active queries
-    are compared when they are a minority.
+    A query whose certain count ``lo`` already reaches ``kmax`` (the largest K: a miss for every K) is left out of
+    further counting (its rank stays a lower bound on the right side of every K; with ``exact_rank`` ``kmax``
+    exceeds the gallery and every query is counted to the end); only the still-active queries are compared when
+    they are a minority.
     """
     active = st.has[rows] & (st.lo[rows] < kmax)
     na = int(active.sum())
@@ -284,7 +287,7 @@ def scan_rows(task: RetrievalTask, scorer: Scorer, grid: Grid, st: PassState, wi
     """Approximate pass of the state's rows against the whole gallery, chunk by chunk."""
     rows = st.rows
     ng = task.g_items.numel()
-    kmax = max(st.rank_ks) if st.rank_ks else 0
+    kmax = st.count_limit(task.g_items.numel())
     mask = torch.empty(rows.numel(), min(ng, grid.gallery_chunk), dtype=torch.bool, device=task.device)
     local = torch.arange(rows.numel(), device=task.device)
     for c0 in track(range(0, ng, grid.gallery_chunk), "retrieval: gallery chunks"):
@@ -320,7 +323,7 @@ def scan_symmetric(
     bs = grid.query_block
     nb = grid.num_blocks(task)
     kc = st.kc
-    kmax = max(st.rank_ks) if st.rank_ks else 0
+    kmax = st.count_limit(task.g_items.numel())
     tau = torch.full((n,), -math.inf, device=dev)
     mask = torch.empty(min(n, bs), min(n, bs), dtype=torch.bool, device=dev)
     tile_ids = {t: idx for idx, t in enumerate(tiles(nb))}
@@ -460,7 +463,7 @@ def _sample_histogram(task: RetrievalTask, scorer: Scorer, grid: Grid, rows: Ten
 
 
 def plan_windows(
-    task: RetrievalTask, scorer: Scorer, grid: Grid, fmrs: tuple[float, ...], neg_total: int, bound: float,
+    task: RetrievalTask, scorer: Scorer, grid: Grid, fmrs: tuple[Fraction, ...], neg_total: int, bound: float,
     sample: int = 256, z: float = 6.0,
 ) -> PairWindows:
     """Windows of exact pair scores expected to hold the threshold of each false match rate, from a sample.
@@ -478,7 +481,8 @@ def plan_windows(
     pairs = int(above_bins[-1])
     bins = torch.arange(hist.numel() - 1, -1, -1, device=task.device)
     low, high, sparse = [], [], []
-    for f in fmrs:
+    for rate in fmrs:
+        f = float(rate)  # an estimate only: the exact count is taken in _ranks
         target = f * pairs  # the sample's pairs ranked above the threshold (positives included: a fine estimate)
         spread = z * math.sqrt(max(target * (1 - f), 1.0)) + 1
         hi_i = int(torch.searchsorted(above_bins, max(target - spread, 0.0), side="right"))

@@ -17,14 +17,16 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_dml.metrics._candidates import exact_rate
 from lightning_dml.metrics._ranks import PairThresholds
 
-__all__ = ["MetricName", "RetrievalStats", "exact_mean", "parse_metric", "per_query", "reduce_metrics"]
+__all__ = ["MetricName", "RetrievalStats", "exact_mean", "exact_rate", "parse_metric", "per_query", "reduce_metrics"]
 
 
 @dataclass
@@ -33,7 +35,8 @@ class RetrievalStats:
 
     Attributes:
         first_positive_rank: number of gallery items ranked ahead of the best relevant item; -1 if none. Exact
-            where a requested K needs it, else on the same side of every requested K.
+            for every query when ``mrr`` or ``map`` was asked for; else exact where a requested K needs it and on
+            the same side of every requested K elsewhere.
         num_relevant: R, the number of relevant gallery items (excluded items left out).
         relevance: ``[Q, k]`` bool, whether each of the k nearest neighbours is relevant.
         neighbors: ``[Q, k]`` row positions (into the prepared set) of the neighbours, -1 for padding.
@@ -62,12 +65,41 @@ class RetrievalStats:
 @dataclass(frozen=True)
 class MetricName:
     """A parsed metric name: ``kind`` (``recall``, ``precision``, ``ndcg``, ``mrr``, ``map``, ``map@r``,
-    ``r_precision``, ``fnmr@fmr``) with its cut-off ``k`` or rate ``fmr``; ``key`` is the canonical name."""
+    ``r_precision``, ``fnmr@fmr``) with its cut-off ``k`` or rate ``fmr``; ``key`` is the canonical name.
+
+    ``rate`` is the false match rate as an exact rational: the decimal number written in the name
+    (``fnmr@fmr=0.29`` is 29/100, not the float nearest to it); built from a float ``fmr`` alone it is the decimal
+    ``repr(fmr)`` (the shortest one that reads back as that float: 0.29 again).
+    """
 
     kind: str
     key: str
     k: int = 0
     fmr: float = 0.0
+    rate: Fraction | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == "fnmr@fmr" and self.rate is None:
+            object.__setattr__(self, "rate", exact_rate(self.fmr))
+
+
+def _rate_text(rate: Fraction) -> str:
+    """The shortest text of a rate in ``(0, 1]`` that reads back as exactly it: ``f"{F:g}"`` where that is exact
+    (``0.001``, ``1e-05``), else every decimal digit (a rate written with more digits than a float keeps)."""
+    for text in (f"{float(rate):g}", repr(float(rate))):
+        if Fraction(text) == rate:
+            return text
+    rest = rate.denominator
+    for p in (2, 5):
+        while rest % p == 0:
+            rest //= p
+    if rest != 1:  # not a finite decimal (a Fraction given directly, e.g. 1/3): numerator/denominator
+        return str(rate)
+    digits = 0
+    while (rate * 10**digits).denominator != 1:
+        digits += 1
+    whole, frac = divmod(int(rate * 10**digits), 10**digits)
+    return f"{whole}.{frac:0{digits}d}".rstrip("0").rstrip(".")
 
 
 _AT_K = re.compile(r"^(recall|precision|ndcg)@(\d+)$")
@@ -76,7 +108,9 @@ _FMR = re.compile(r"^fnmr@fmr=(.+)$")
 
 def parse_metric(name: str) -> MetricName:
     """Parse ``recall@K``, ``precision@K``, ``ndcg@K``, ``mrr``, ``map``, ``map@r``, ``r_precision`` or
-    ``fnmr@fmr=F`` (``0 < F < 1``); a ``ValueError`` names the accepted forms otherwise."""
+    ``fnmr@fmr=F`` (``0 < F <= 1``, read exactly as the decimal number written: :func:`exact_rate`; its key
+    writes F in the shortest form that reads back exactly, ``fnmr@fmr=1.0`` -> ``fnmr@fmr=1``); a ``ValueError``
+    names the accepted forms otherwise."""
     text = str(name).strip()
     at_k = _AT_K.match(text)
     if at_k:
@@ -92,12 +126,15 @@ def parse_metric(name: str) -> MetricName:
             value = float(fmr.group(1))
         except ValueError:
             value = math.nan
-        if not 0.0 < value < 1.0:
-            raise ValueError(f"metric {name!r}: the false match rate must be a number in (0, 1), e.g. fnmr@fmr=0.001")
-        return MetricName("fnmr@fmr", f"fnmr@fmr={value:g}", fmr=value)
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"metric {name!r}: the false match rate must be a number in (0, 1], e.g. fnmr@fmr=0.001")
+        rate = exact_rate(fmr.group(1))
+        if not 0 < rate <= 1:  # a rate just above 0 or 1 that rounds into the range as a float
+            raise ValueError(f"metric {name!r}: the false match rate must be a number in (0, 1], e.g. fnmr@fmr=0.001")
+        return MetricName("fnmr@fmr", f"fnmr@fmr={_rate_text(rate)}", fmr=float(rate), rate=rate)
     raise ValueError(
         f"unknown metric {name!r}: expected recall@K, precision@K, ndcg@K, mrr, map, map@r, r_precision or "
-        "fnmr@fmr=F (K an integer >= 1, F in (0, 1))"
+        "fnmr@fmr=F (K an integer >= 1, F in (0, 1])"
     )
 
 
@@ -182,7 +219,7 @@ def reduce_metrics(
         out[m.key] = exact_mean(*values[m.key])
     if stats.pairs is not None:
         for f, theta, fnmr in zip(stats.pairs.fmrs, stats.pairs.thresholds, stats.pairs.fnmr):
-            key = f"{f:g}"
+            key = _rate_text(exact_rate(f))
             out[f"fnmr@fmr={key}"] = fnmr
             out[f"threshold@fmr={key}"] = theta / stats.score_scale if math.isfinite(theta) else theta
     if stats.category is not None:

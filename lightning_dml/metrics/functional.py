@@ -6,11 +6,15 @@ metrics of Musgrave, Belongie & Lim, *A Metric Learning Reality Check*, ECCV 202
 * **Recall@K**: fraction of queries with at least one relevant item among their K nearest neighbours. Every
   query counts; a query with no relevant item scores 0. **Precision@1** equals Recall@1.
 * **Precision@K**: relevant items among the K nearest neighbours, divided by K (every query counts).
-* **MRR**: mean of ``1 / (rank of the first relevant item + 1)`` over the whole ranking (0 without one).
+* **MRR**: mean of ``1 / (rank of the first relevant item + 1)`` over the whole ranking (0 without one); the rank
+  is exact for every query whatever else is asked for.
 * **R-Precision**, **MAP@R** (Musgrave et al. 2020), **NDCG@K** (binary gains, log2 discount) and **MAP** (mean
   average precision over the whole ranking): averaged over the queries with R > 0.
 * **FNMR@FMR** (verification): over all (query, gallery) pairs, the threshold at which the false match rate over
-  every negative pair is at most the given rate, and the false non-match rate over every positive pair there.
+  every negative pair is at most the given rate F (at most ``floor(F x negatives)`` negatives accepted, in exact
+  rational arithmetic: F is the decimal number written, :func:`exact_rate`), and the false non-match rate over
+  every positive pair there; 0.0 without a positive pair. ``0 < F <= 1``; F = 1 accepts every pair (threshold
+  ``-inf``, FNMR 0.0).
 
 **Relevance**: labels ``[N]`` (same label) or label sets ``[N, L]`` padded with -1 (the sets intersect).
 **Exclusion**: a query never matches itself (by position); with ``sequence`` ids, gallery items of the query's
@@ -24,6 +28,22 @@ float64 brute force) and computed on the device of the embeddings unless ``devic
 The pipeline, one stage per module: the task (``_task``: relevance, exclusions) -> score tiles (``_scores``) ->
 candidates (``_scan`` filling ``_candidates``) -> exact ranks (``_ranks``; ``_ddp`` under DDP) -> per-query statistics
 (``_statistics``) -> metrics (here). Clustering metrics: :mod:`lightning_dml.metrics.clustering`.
+
+**The public face of the engine.** The ``_`` modules are internal; other packages of the library (``retrieval``,
+``report``, ...) use only the names of this module's ``__all__``, whose contracts are:
+
+* :func:`prepare` -> :class:`PreparedSet`, then :func:`build_search` -> ``(task, scorer, grid)``: the task's
+  ``q_items`` / ``g_items`` (row positions of the queries and gallery items), ``positives(rows)`` (the (query row,
+  gallery position) pairs that are relevant), ``relevant(rows, gpos)``; the scorer's ``exact(q_items, g_items)``
+  (float64 exact scores), ``error_bound(q_items, g_items)`` (per query ``w``: ``|approx - exact| <= w``),
+  ``score_scale`` and ``norms64``; the grid's ``num_blocks(task)``, ``block_rows(task, b)`` and
+  ``gallery_chunk``.
+* :func:`score_tile` ``(scorer, task, rows, c0, c1)``: the approximate scores of query rows ``rows`` against gallery
+  positions ``[c0, c1)``, float32, within the scorer's ``error_bound`` of the exact ones, excluded pairs ``-inf``.
+* :func:`retrieval_stats` -> :class:`RetrievalStats`; :func:`parse_metric` -> :class:`MetricName`;
+  :func:`per_query` ``(stats, name)`` -> ``(values, included)`` (float64 per query, the queries averaged);
+  :func:`exact_mean` (the correctly rounded mean ``reduce_metrics`` uses); :func:`exact_rate` (a false match rate
+  as the exact rational ``fnmr@fmr`` uses).
 """
 
 from __future__ import annotations
@@ -38,36 +58,50 @@ from torch import Tensor
 
 from lightning_dml.distributed import get_rank, get_world_size
 from lightning_dml.input_checks import check_embeddings, check_finite, check_per_row, check_same_device
-from lightning_dml.metrics._candidates import SearchRequest
+from lightning_dml.metrics._candidates import SearchRequest, exact_rate
 from lightning_dml.metrics._ddp import agree_search_settings, run_distributed
 from lightning_dml.metrics._device import resolve_precision, tile_sizes
 from lightning_dml.metrics._ranks import run_search
 from lightning_dml.metrics._scan import Grid
-from lightning_dml.metrics._scores import Scorer
-from lightning_dml.metrics._statistics import MetricName, RetrievalStats, parse_metric, reduce_metrics
+from lightning_dml.metrics._scores import Scorer, score_tile
+from lightning_dml.metrics._statistics import (
+    MetricName,
+    RetrievalStats,
+    exact_mean,
+    parse_metric,
+    per_query,
+    reduce_metrics,
+)
 from lightning_dml.metrics._task import RetrievalTask
 from lightning_dml.metrics.clustering import clustering_metrics, contingency, f1_score, nmi
 from lightning_dml.metrics.kmeans import kmeans
 
 __all__ = [
+    "MetricName",
     "PreparedSet",
     "RetrievalStats",
+    "build_search",
     "check_inputs",
     "clustering_metrics",
     "compute_device",
     "contingency",
+    "exact_mean",
+    "exact_rate",
     "f1_score",
     "kmeans",
     "knn",
     "map_at_r",
     "metric_names",
     "nmi",
+    "parse_metric",
+    "per_query",
     "precision_at_1",
     "prepare",
     "r_precision",
     "recall_at_k",
     "retrieval_metrics",
     "retrieval_stats",
+    "score_tile",
     "stats_to_metrics",
 ]
 
@@ -271,6 +305,11 @@ def _list_length(names: Sequence[MetricName], task: RetrievalTask) -> int:
     return k
 
 
+def _rank_ks(names: Sequence[MetricName]) -> set[int]:
+    """The K whose "first relevant rank < K" the metrics decide: each ``recall@K``, and 1 for ``precision@1``."""
+    return {m.k for m in names if m.kind == "recall" or (m.kind == "precision" and m.k == 1)}
+
+
 def retrieval_stats(
     embeddings: Tensor,
     labels: Tensor,
@@ -304,11 +343,12 @@ def retrieval_stats(
         sequence: ``[N]`` sequence ids: gallery items sharing the query's (non-negative) id are ignored for it.
         category: ``[N]`` category ids, kept per query in the statistics (for per-category metrics).
         k: length of the neighbour lists; default = what ``metrics`` need (at least 1).
-        rank_ks: the K values for which ``first_positive_rank < K`` must be decided exactly (Recall@K).
-            The reported rank is exact where the approximate pass leaves it ambiguous for one of these K;
-            elsewhere it is a lower bound on the same side of every K as the exact rank (exact everywhere with
-            ``map`` among the metrics).
-        metrics: metric names (or parsed names) whose statistics to compute (see :func:`metric_names`).
+        rank_ks: the K values for which ``first_positive_rank < K`` must be decided exactly (Recall@K), beside
+            those ``metrics`` decide (each ``recall@K``; 1 for ``precision@1``). The reported rank is exact where the
+            approximate pass leaves it ambiguous for one of these K; elsewhere it is a lower bound on the same side
+            of every K as the exact rank. It is exact for every query when ``mrr`` or ``map`` is among the metrics.
+        metrics: metric names (or parsed names) whose statistics to compute (see :func:`metric_names`): the
+            statistics are complete for each of them, whatever else is asked for.
         exact_scores: every neighbour score exact (else exact where the relevance order needed it; the order is
             exact either way).
         precision: approximate-pass precision, ``"auto"``, ``"fp32"``, ``"tf32"`` or ``"bf16"`` (results are exact
@@ -332,10 +372,11 @@ def retrieval_stats(
     names = [m if isinstance(m, MetricName) else parse_metric(m) for m in metrics]
     request = SearchRequest(
         k=_list_length(names, task) if k is None else int(k),
-        rank_ks=tuple(sorted({int(v) for v in rank_ks})),
+        rank_ks=tuple(sorted({int(v) for v in rank_ks} | _rank_ks(names))),
         exact_scores=bool(exact_scores),
         positive_ranks=any(m.kind == "map" for m in names),
-        fmrs=tuple(sorted({m.fmr for m in names if m.kind == "fnmr@fmr"})),
+        fmrs=tuple(sorted({m.rate for m in names if m.kind == "fnmr@fmr"})),
+        exact_rank=any(m.kind == "mrr" for m in names),
     )
     if distributed and get_world_size(process_group) > 1:
         res, pairs = run_distributed(task, scorer, grid, request, process_group)

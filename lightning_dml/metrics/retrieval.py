@@ -110,7 +110,9 @@ class RetrievalMetrics(Metric):
             process recomputes all).
         progress: show progress bars (tqdm) over the retrieval tiles and the k-means iterations in ``compute``.
         metrics: opt-in metrics by name (``docs/metrics.md``): ``precision@K``, ``ndcg@K``, ``mrr``, ``map`` (over
-            the whole ranking) and ``fnmr@fmr=F`` (verification over all pairs; adds ``threshold@fmr=F``).
+            the whole ranking) and ``fnmr@fmr=F`` (verification over all pairs, ``0 < F <= 1`` read exactly as the
+            decimal written; adds ``threshold@fmr=F``; FNMR 0.0 without a positive pair, and at F = 1). Each
+            figure is the same whether asked for alone or with others.
         category_names: names of the category ids for the per-category keys (``category/<name>/recall@1``): a
             sequence indexed by id or a dict; default the ids.
 
