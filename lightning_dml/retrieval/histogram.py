@@ -3,7 +3,7 @@
 The two distributions the pair losses reason about (Multi-Similarity, Wang et al., CVPR 2019, Fig. 1 and Sec. 3;
 the slack margin of the tuplet margin loss), over the whole evaluated set instead of one training batch: every
 (query, gallery) pair that the retrieval metrics rank, with the same relevance and exclusions
-(:class:`~lightning_dml.metrics._task.RetrievalTask`: a query never meets itself, items of its sequence are
+(the task of :func:`~lightning_dml.metrics.functional.build_search`: a query never meets itself, items of its sequence are
 ignored), is counted once, in the positive histogram when relevant, else in the negative one.
 
 Exact and cheap: the scores come from the exact engine's approximate tiles (one matrix product per tile, no
@@ -25,7 +25,7 @@ from torch import Tensor
 
 from lightning_dml.distributed import get_rank, get_world_size
 from lightning_dml.metrics import functional as F
-from lightning_dml.metrics._scores import score_tile
+from lightning_dml.metrics.functional import score_tile
 
 __all__ = ["pair_score_histogram"]
 

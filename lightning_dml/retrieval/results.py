@@ -26,8 +26,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_dml.data.cache_dir import atomic_path
 from lightning_dml.metrics import functional as F
-from lightning_dml.metrics._statistics import exact_mean, parse_metric, per_query
+from lightning_dml.metrics.functional import exact_mean, parse_metric, per_query
 
 __all__ = ["RetrievalResults"]
 
@@ -41,6 +42,16 @@ def _as_numpy(t: Tensor | np.ndarray | None) -> np.ndarray | None:
     if t is None:
         return None
     return t.detach().cpu().numpy() if isinstance(t, Tensor) else np.asarray(t)
+
+
+def _row_classes(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(row, class) pairs of ``[N]`` labels (one per row) or ``[N, L]`` label sets padded with -1 (one per distinct
+    label of a row, by row then class)."""
+    if labels.ndim == 1:
+        return np.arange(labels.size), labels
+    rows, cols = np.nonzero(labels >= 0)
+    pairs = np.unique(np.stack([rows, labels[rows, cols]], 1).reshape(-1, 2), axis=0)
+    return pairs[:, 0], pairs[:, 1]
 
 
 @dataclass
@@ -251,12 +262,9 @@ class RetrievalResults:
         return ok[order[: max(0, int(n))]]
 
     def _query_classes(self) -> tuple[np.ndarray, np.ndarray]:
-        """(query row, class) pairs: one per query, or one per label of a query's label set."""
-        labels = self.query_labels()
-        if labels.ndim == 1:
-            return np.arange(labels.size), labels
-        rows, cols = np.nonzero(labels >= 0)
-        return rows, labels[rows, cols]
+        """(query row, class) pairs: one per query, or one per distinct label of a query's label set (a label
+        written twice in one set is one class of the query)."""
+        return _row_classes(self.query_labels())
 
     def class_name(self, c: int) -> str:
         return self.class_names[c] if self.class_names is not None and 0 <= c < len(self.class_names) else str(c)
@@ -267,8 +275,7 @@ class RetrievalResults:
         ``map@r`` (over its queries with R > 0; None without one). Sorted by class id."""
         rows, classes = self._query_classes()
         hit = (self.first_relevant_rank >= 0) & (self.first_relevant_rank < 1)
-        every = self.labels[self.labels >= 0] if self.labels.ndim == 2 else self.labels
-        sizes = dict(zip(*np.unique(every, return_counts=True)))
+        sizes = dict(zip(*np.unique(_row_classes(self.labels)[1], return_counts=True)))
         out = []
         for c in np.unique(classes):
             mine = rows[classes == c]
@@ -282,9 +289,10 @@ class RetrievalResults:
 
     def confused_pairs(self, n: int = 20) -> list[dict[str, Any]]:
         """The (query class, other class) pairs most often confused: for every query, each irrelevant neighbour
-        ranked ahead of the query's first relevant item among its top k counts once for (a class of the query, a
-        class of the neighbour). ``[{"query_class", "neighbor_class", "count", "examples": [(query row, neighbour
-        column), ...]}]``, the largest counts first (ties: smaller class ids first), at most 5 examples each."""
+        ranked ahead of the query's first relevant item among its top k counts once for each (class of the query,
+        class of the neighbour), a label written twice in one label set being one class.
+        ``[{"query_class", "neighbor_class", "count", "examples": [(query row, neighbour column), ...]}]``, the
+        largest counts first (ties: smaller class ids first), at most 5 examples each."""
         q_labels = self.query_labels()
         nb_labels = self.labels[self._position(np.where(self.neighbors >= 0, self.neighbors, self.index[0]))]
         k = self.neighbors.shape[1]
@@ -293,10 +301,11 @@ class RetrievalResults:
         qi, col = np.nonzero(ahead)  # row-major: by query, then rank
         if q_labels.ndim == 1:
             a, b, where = q_labels[qi], nb_labels[qi, col], np.arange(qi.size)
-        else:  # every (query label, neighbour label) combination of the two sets
+        else:  # every (query class, neighbour class) combination of the two sets, each once per occurrence
             la, lb = q_labels[qi], nb_labels[qi, col]  # [P, L]
             pa, ia, ib = np.nonzero((la[:, :, None] >= 0) & (lb[:, None, :] >= 0))
-            a, b, where = la[pa, ia], lb[pa, ib], pa
+            triples = np.unique(np.stack([pa, la[pa, ia], lb[pa, ib]], 1).reshape(-1, 3), axis=0)
+            where, a, b = triples[:, 0], triples[:, 1], triples[:, 2]
         if a.size == 0:
             return []
         pairs, inverse, counts = np.unique(np.stack([a, b], 1), axis=0, return_inverse=True, return_counts=True)
@@ -314,7 +323,9 @@ class RetrievalResults:
     # ------------------------------------------------------------------------------------------- files
     def save(self, path: str | os.PathLike) -> Path:
         """Write one ``.npz`` file: every array under its attribute name, plus ``meta`` (JSON: format version,
-        metric, paths, names, extra). ``.npz`` is appended when missing."""
+        metric, paths, names, extra). ``.npz`` is appended when missing. The file is written atomically (a
+        temporary file beside it, flushed and renamed onto it: :func:`~lightning_dml.data.cache_dir.atomic_path`):
+        a write that fails or is killed leaves an earlier file at ``path`` whole."""
         path = Path(path)
         if path.suffix != ".npz":
             path = path.with_name(path.name + ".npz")
@@ -326,8 +337,8 @@ class RetrievalResults:
                 arrays[f.name] = value
             elif f.name != "extra":
                 meta[f.name] = value
-        path.parent.mkdir(parents=True, exist_ok=True)
-        np.savez_compressed(path, meta=np.array(json.dumps(meta)), **arrays)
+        with atomic_path(path, fsync=True) as temporary:
+            np.savez_compressed(temporary, meta=np.array(json.dumps(meta)), **arrays)
         return path
 
     @classmethod
