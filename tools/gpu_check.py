@@ -89,8 +89,6 @@ REPORTED_PACKAGES = (
     "jsonargparse", "docstring-parser", "typeshed-client", "pytorch-metric-learning",
 )
 
-STATUSES = ("pending", "running", "passed", "failed", "timeout", "skipped", "interrupted")
-
 
 # ------------------------------------------------------------------------------------------------ the run's state
 @dataclass
@@ -122,7 +120,7 @@ class Result:
 
     name: str
     title: str
-    status: str = "pending"
+    status: str = "pending"  # then running; passed, failed, timeout (killed at its cap), skipped or interrupted
     cap_s: float = 0.0
     wall_s: float | None = None
     cpu_s: float | None = None  # user + system time of its processes (what a loaded machine changes least)
