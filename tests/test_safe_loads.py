@@ -60,6 +60,7 @@ def marker(tmp_path) -> Path:
 @pytest.fixture(autouse=True)
 def _own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LIGHTNING_DML_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))  # where Lightning's URL loader would download
 
 
 def _run_main(args: list[str]) -> tuple[int, str, str]:
@@ -70,6 +71,11 @@ def _run_main(args: list[str]) -> tuple[int, str, str]:
             main(args)
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else 1
+        except Exception:  # noqa: BLE001 - a traceback: reported by the callers' checks, after the marker's
+            import traceback
+
+            traceback.print_exc()
+            code = -1
     return code, out.getvalue(), err.getvalue()
 
 
@@ -184,13 +190,13 @@ def _served_checkpoints(tmp_path: Path, run: dict[str, Path], marker: Path) -> P
 def test_a_url_checkpoint_is_downloaded_and_read_safely(run, tmp_path, marker, monkeypatch):
     """``--ckpt_path http://...``: the file is downloaded to the cache and read like a local one; Lightning never
     loads the URL (it would unpickle it)."""
-    from lightning_dml.checkpoints import url_checkpoint_path
-
     monkeypatch.setenv("LIGHTNING_DML_OFFLINE", "0")  # the tests run offline; this server is on the loopback
     monkeypatch.chdir(tmp_path)
     with _serve(_served_checkpoints(tmp_path, run, marker)) as base:
         line = _one_error(["test", "--config", str(run["config"]), f"--ckpt_path={base}/evil.ckpt"], marker)
         assert "pickles the Python object" in line and "evil.ckpt" in line, line
+        from lightning_dml.checkpoints import url_checkpoint_path
+
         assert url_checkpoint_path(f"{base}/evil.ckpt").is_file()  # read from the cache, refused there
         line = _one_error(["index", "build", "--config", str(run["config"]), "--ckpt_path", f"{base}/evil.ckpt",
                            "--gallery", str(run["gallery"]), "--out", str(tmp_path / "idx"), *QUIET], marker=marker)
