@@ -393,3 +393,23 @@ def test_load_test_script_runs_without_errors(index_dir, capsys):
                          "--requests", "5", "--rounds", "1", "--warmup", "2", "--k", "3"])
     assert result["rounds"][0]["requests"] == 10 and result["rounds"][0]["errors"] == 0
     assert result["warmup_errors"] == 0 and result["rss_before_mib"] > 0 and result["rss_after_mib"][0] > 0
+
+
+@pytest.mark.slow
+def test_abuse_script_runs_with_zero_good_errors(index_dir):
+    """bench/serve_abuse.py end to end on the test index: hostile requests of every kind answered 4xx, the good
+    ones as alone (0 errors), a peak RSS for every server process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_serve_abuse", ROOT / "bench" / "serve_abuse.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    result = bench.main(["--index", str(index_dir), "--images", str(index_dir.parent / "gallery"), "--clients", "2",
+                         "--requests", "20", "--rounds", "1", "--k", "3", "--body_timeout", "1"])
+    (r,) = result["rounds"]
+    assert r["good"] == 20 and r["good_errors"] == 0 and r["hostile"] == 20 and r["hostile_errors"] == 0
+    assert set(r["hostile_statuses"]) >= {"stalled body", "json 100000 deep", "8000x8000 png"}
+    assert result["health_after"] == 200
+    roles = {p["process"] for p in result["processes"]}
+    assert {"main (lightning-dml serve)", "model worker", "API server (uvicorn)"} <= roles
+    assert all(p["rss_peak_mib"] > 0 for p in result["processes"])
