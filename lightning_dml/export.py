@@ -146,9 +146,11 @@ def _write_safetensors(model: EmbeddingModel, record: dict[str, Any], path: Path
 def load_safe_embedding_model(path: str | os.PathLike) -> EmbeddingModel:
     """The model of a safe-format file (``embedding_model.safetensors``) on the CPU, in eval mode, without
     gradients: rebuilt from its architecture record (:func:`build_embedding_model`), then its tensors loaded
-    (``safetensors``: no pickle). Every problem is one :class:`~lightning_dml.errors.CorruptFileError` naming the
-    file: truncated or not a safetensors file, no record, a record of classes the library does not rebuild,
-    tensors that do not fit the rebuilt model."""
+    (``safetensors``: no pickle). The record's model is first built on the ``meta`` device (no memory) and must
+    have exactly the file's tensor names and shapes, so a record cannot make the loader allocate more than the
+    file holds. Every problem is one :class:`~lightning_dml.errors.CorruptFileError` naming the file: truncated
+    or not a safetensors file, no record, a record of classes the library does not rebuild, tensors that do not
+    fit the rebuilt model."""
     from safetensors import safe_open
     from safetensors.torch import load_model
 
@@ -158,6 +160,7 @@ def load_safe_embedding_model(path: str | os.PathLike) -> EmbeddingModel:
     try:
         with safe_open(str(path), framework="pt", device="cpu") as handle:
             metadata = handle.metadata() or {}
+            shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}
     except Exception as error:  # noqa: BLE001 - safetensors' header errors (truncated, not safetensors) name no file
         detail = " ".join(str(error).split())[:200]
         raise CorruptFileError(
@@ -172,7 +175,20 @@ def load_safe_embedding_model(path: str | os.PathLike) -> EmbeddingModel:
         record = json.loads(metadata[RECORD_KEY])
     except ValueError as error:
         raise CorruptFileError(f"exported model {path}: its architecture record is not JSON ({error})") from None
-    model = build_embedding_model(record, f"exported model {path}")
+    where = f"exported model {path}"
+    with torch.device("meta"):  # no memory yet: the record's model must have exactly the file's tensors
+        skeleton = build_embedding_model(record, where)
+    expected = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+    if expected != shapes:
+        missing = sorted(set(expected) - set(shapes))
+        unexpected = sorted(set(shapes) - set(expected))
+        reshaped = [f"{k} {list(shapes[k])} (the record's model: {list(expected[k])})"
+                    for k in sorted(set(shapes) & set(expected)) if shapes[k] != expected[k]]
+        raise CorruptFileError(
+            f"{where}: its tensors do not fit the recorded architecture (missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}, other shapes {reshaped[:2]})"
+        )
+    model = build_embedding_model(record, where)
     try:
         load_model(model, str(path), strict=True)
     except Exception as error:  # noqa: BLE001 - missing/unexpected/mis-shaped tensors, a truncated data section

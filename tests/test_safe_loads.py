@@ -273,7 +273,7 @@ def test_the_index_model_is_tensors_and_a_record_and_search_works(run):
 
 
 @pytest.mark.parametrize("attack", ["pickle_as_model", "old_pt2", "class_path", "timm_checkpoint_path",
-                                    "pretrained", "truncated", "wrong_tensors"])
+                                    "pretrained", "truncated", "wrong_tensors", "huge_record"])
 def test_an_index_model_that_is_not_safe_is_refused_in_one_line(run, tmp_path, marker, attack):
     folder = _copy_index(run, tmp_path)
     model = folder / SAFETENSORS
@@ -303,6 +303,10 @@ def test_an_index_model_that_is_not_safe_is_refused_in_one_line(run, tmp_path, m
     elif attack == "truncated":
         model.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
         says = "truncated or not a safetensors file"
+    elif attack == "huge_record":  # a record whose model would need ~10^14 bytes: refused before allocating
+        backbone = {**record["backbone"], "init_args": {**record["backbone"]["init_args"], "width": 10**6}}
+        _rewrite_record(model, {**record, "backbone": backbone})
+        says = "do not fit the recorded architecture"
     else:  # tensors of another width than the record
         _rewrite_record(model, {**record, "head": {**record["head"], "init_args": {**record["head"]["init_args"],
                                                                                   "embedding_dim": 7}}})
