@@ -3,7 +3,8 @@
 Reference embeddings on the autograd path (a ``B x N`` gallery, not square) with an anchor that has no positive,
 batch-hard triplets of an anchor without positives, the closed form's divisor with references, NCA at an extreme
 scale, N-pair at tiny and at huge magnitudes. Expected values come from the loop references
-(``tests/reference_pairset_losses.py``, ``tests/reference_losses.py``) or from the other path of the same loss.
+(``tests/reference_pairset_losses.py``, ``tests/reference_losses.py``), from the other path of the same loss, or
+(N-pair Eqs. 7-8 up to fp64's edge) from an mpmath reference (``_mp_npair``).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ to ``[-1, 1]`` where asked, logits ``a S``, ``lse_i = log sum_{j != i} e^{l_ij} 
 branch: products beyond and exactly at ``+-1``, a scale given as two factors, a reference gallery with only one of
 the two inputs requiring a gradient, a one-item batch. The losses built on it are checked against the loop
 references of ``tests/reference_pairset_losses.py`` where a shared shift would underflow in fp32, and at the
-documented spread threshold of the shared shift (60).
+documented spread threshold of the shared shift (60). Near the float range's edge (issue 26: fp64 N-pair Eq. 9
+entries up to ``2**600``, fp32 NCA / SupCon logits up to 1e38) they are compared, on trained-like and clustered
+batches, with an mpmath reference of their values and gradients (``_mp_neighbour_loss``).
 """
 
 from __future__ import annotations
