@@ -510,3 +510,26 @@ def test_rerank_blocks_bounded_by_elements_do_not_change_results(rr, monkeypatch
     s_one, i_one = rr.search(search, vectors, x[:10], 8)
     assert torch.equal(i_one, i_all)
     torch.testing.assert_close(s_one, s_all, rtol=0, atol=0 if rr.name == "kreciprocal" else 1e-15)
+
+
+def test_rerank_metrics_kreciprocal_duplicates_take_one_normalisation_path(monkeypatch):
+    """Leave-one-out over float32 embeddings with an exact duplicate pair (items 3 and 7): the candidates reach
+    k-reciprocal re-ranking in the form the query is brought to (as_stored: float32 normalisation, as the index
+    stores vectors), so a query and its duplicate are the same vector bit for bit, not ~1e-8 apart."""
+    x, y = clustered(30, 5, 4, seed=11, noise=0.8)
+    x[7] = x[3]
+    seen = []
+    original = R.k_reciprocal_rerank
+
+    def spy(queries, candidates, candidate_ids, **kw):
+        seen.append((queries, candidates, candidate_ids))
+        return original(queries, candidates, candidate_ids, **kw)
+
+    monkeypatch.setattr(R, "k_reciprocal_rerank", spy)
+    R.rerank_metrics(R.KReciprocal(k1=4, k2=2, candidates=40), x, y, recall_at=(1,))
+    queries = torch.cat([q for q, _, _ in seen])
+    candidates = torch.cat([c for _, c, _ in seen])
+    ids = torch.cat([i for _, _, i in seen])
+    for q, dup in ((3, 7), (7, 3)):
+        pos = int((ids[q] == dup).nonzero())
+        assert torch.equal(R.as_stored(queries[q], "cosine"), candidates[q, pos])

@@ -643,12 +643,14 @@ def rerank_metrics(
         _, ranked = exact(qv, length)
     elif isinstance(reranker, KReciprocal):
         _, ranked = exact(qv, length)
-        kc = reranker.candidates_for(1)
+        kc = min(reranker.candidates_for(1), ranked.shape[1])
+        stored = as_stored(gallery, metric)  # the candidates as an index stores them: one normalisation path
+        block = _block(kc * gallery.shape[-1])
         heads = []
-        for start in range(0, qv.shape[0], QUERY_BLOCK):  # candidate vectors of one block at a time
-            ids = ranked[start : start + QUERY_BLOCK, :kc]
+        for start in range(0, qv.shape[0], block):  # candidate vectors of one block at a time
+            ids = ranked[start : start + block, :kc]
             heads.append(k_reciprocal_rerank(
-                qv[start : start + QUERY_BLOCK], gallery[ids.clamp_min(0)], ids, k1=reranker.k1, k2=reranker.k2,
+                qv[start : start + block], stored[ids.clamp_min(0)], ids, k1=reranker.k1, k2=reranker.k2,
                 lambda_=reranker.lambda_, metric=metric,
             )[1])
         ranked = torch.cat([torch.cat(heads), ranked[:, kc:]], dim=1)
