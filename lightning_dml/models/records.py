@@ -94,8 +94,10 @@ def module_record(module: nn.Module, role: str) -> dict[str, Any]:
     """``{"class_path", "init_args"}`` of ``module`` (a backbone or head of :data:`ALLOWED`), JSON data only."""
     from lightning_dml import models
 
-    class_path = next((p for p, name in ALLOWED.items() if type(module) is getattr(models, name)), None)
     name = type(module).__name__
+    class_path = f"lightning_dml.models.{name}"
+    if ALLOWED.get(class_path) != name or getattr(models, name) is not type(module):  # by name: timm stays unimported
+        class_path = None
     if class_path is None:
         raise UnsupportedModelError(
             f"the {role} {type(module).__module__}.{name} cannot be recorded in the safe format, which rebuilds "
