@@ -203,6 +203,22 @@ def test_middleware_bounds_the_pending_body_bytes():
         S.RequestLimits.of(max_pending_bytes=10).check()
 
 
+def test_middleware_closes_the_connection_only_when_the_body_was_left_unread():
+    """A refusal before the body is read (wrong content type, bad query) closes the connection, so that the unread
+    body is never taken for the next request; a refusal after reading it (not an image) keeps the connection."""
+    app = S.SearchRequestMiddleware(echo_app, defaults=DEFAULTS, limits=LIMITS)
+
+    async def body() -> dict:
+        return {"type": "http.request", "body": b"not an image", "more_body": False}
+
+    for headers, query, status, close in [([(b"content-type", b"text/plain")], b"", 415, True),
+                                          ([(b"content-type", b"image/png")], b"k=0", 400, True),
+                                          ([(b"content-type", b"image/png")], b"", 400, False)]:
+        sent = _asgi_call(app, {**_scope(headers), "query_string": query}, body)
+        assert sent[0]["status"] == status
+        assert ((b"connection", b"close") in sent[0]["headers"]) is close, (status, query)
+
+
 # --------------------------------------------------------------------------------------------- the model worker
 class FakeEmbedder:
     """Stands in for the index's ImageEmbedder: grayscale pixels, a mean-pooling "model"."""

@@ -282,7 +282,7 @@ class SearchRequestMiddleware:
         if scope["type"] != "http" or scope["path"] != self.path or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        held = [0]
+        held = [0, 0]  # body bytes counted as pending; 1 once the body was read to its end
         try:
             await self._search(scope, receive, send, held)
         finally:
@@ -300,8 +300,8 @@ class SearchRequestMiddleware:
     async def _search(self, scope: dict, receive: Any, send: Any, held: list[int]) -> None:
         try:
             payload = await self._payload(scope, receive, held)
-        except BadRequest as e:
-            await _send_json(send, e.status, {"error": e.message}, close=e.close)
+        except BadRequest as e:  # a body left unread (or partly read) closes the connection after the answer
+            await _send_json(send, e.status, {"error": e.message}, close=e.close or not held[1])
             return
         body = json.dumps(payload).encode()
         del payload
@@ -336,6 +336,7 @@ class SearchRequestMiddleware:
             raise BadRequest(413, f"body of {int(declared)} bytes exceeds the limit of {limit} bytes "
                                   f"(lightning-dml serve {option})", close=True)
         data = await _read_body(receive, limit, self.limits.body_timeout, option, lambda n: self._hold(held, n))
+        held[1] = 1
         if not data:
             raise BadRequest(400, "empty body: send the image file as the request body")
         if single:
