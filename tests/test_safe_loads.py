@@ -328,9 +328,7 @@ def test_an_index_model_that_is_not_safe_is_refused_in_one_line(run, tmp_path, m
 
 @pytest.mark.parametrize("name", [
     "manifest.json",
-    pytest.param("table.csv", marks=pytest.mark.xfail(
-        strict=True, reason="IndexTable.read (index/index.py) lets a binary table.csv's UnicodeDecodeError through "
-        "as a traceback; nothing is unpickled (see test_..._never_unpickled)")),
+    "table.csv",
     "embeddings.npy",
 ])
 def test_the_other_files_of_an_index_folder_holding_a_pickle_are_one_line(run, tmp_path, marker, name):

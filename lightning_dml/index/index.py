@@ -129,8 +129,11 @@ class IndexTable:
     def read(cls, path: Path) -> "IndexTable":
         if not path.is_file():
             raise IndexFolderError(f"index folder {path.parent}: {path.name} is missing")
-        with open(path, newline="", encoding="utf-8") as handle:
-            rows = list(csv.reader(handle))
+        try:
+            with open(path, newline="", encoding="utf-8") as handle:
+                rows = list(csv.reader(handle))
+        except (UnicodeDecodeError, csv.Error) as error:
+            raise IndexFolderError(f"{path} is not a UTF-8 CSV table ({type(error).__name__}: {error})") from None
         if not rows or tuple(rows[0]) != TABLE_COLUMNS:
             raise IndexFolderError(f"{path}: the header must be {','.join(TABLE_COLUMNS)}")
         try:
