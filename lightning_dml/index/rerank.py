@@ -2,7 +2,10 @@
 augmentation.
 
 Each method is written from its paper's equations as batched tensor code (no Python loop over queries; queries
-are processed in fixed blocks, which never changes a result) on the device of its inputs:
+are processed in blocks of at most ``QUERY_BLOCK`` queries and ``BLOCK_ELEMENTS`` elements per intermediate
+tensor, which never changes a result but the last bits of a matrix product) on the device of its inputs. Every
+option has a documented range (:data:`RERANK_LIMITS`), and ``candidates`` and ``n`` are clamped to the gallery
+size, so that memory follows the gallery and the block, not an option's value:
 
 * **k-reciprocal re-ranking** (Zhong, Zheng, Cao, Li, *Re-ranking Person Re-identification with k-reciprocal
   Encoding*, CVPR 2017): :func:`k_reciprocal_distance` on distance matrices, :func:`k_reciprocal_rerank` on
