@@ -156,3 +156,35 @@ def test_the_callback_refuses_a_foreign_folder_before_the_test_runs(tmp_path: Pa
     report.overwrite = True
     trainer.test(model, datamodule=data, verbose=False)
     assert is_report_folder(out) and (out / "notes.txt").read_text() == "keep me"
+
+
+def test_a_second_report_into_the_same_folder_waits_for_the_first(tmp_path: Path) -> None:
+    """Shared folders are locked: while one run holds the report folder's lock, another writes nothing."""
+    import threading
+
+    from filelock import FileLock
+
+    from lightning_dml.report.folder import LOCK
+
+    data = make_items(tmp_path / "images")
+    res = RetrievalResults.compute(data["embeddings"], data["labels"], top_k=3)
+    out = tmp_path / "site"
+    write_report(res, out)
+    before = _snapshot(out)
+    holder = FileLock(str(out / LOCK))
+    holder.acquire()
+    done = threading.Event()
+    worker = threading.Thread(target=lambda: (write_report(res, out, title="second"), done.set()), daemon=True)
+    try:
+        worker.start()
+        done.wait(timeout=2.0)
+        assert not done.is_set() and _snapshot(out) == before  # waiting: not one file changed
+    finally:
+        holder.release()
+    worker.join(timeout=60)
+    assert done.is_set() and '"second"' in (out / "data" / "summary.js").read_text()
+    # the lock file is not content: a folder holding only it is still "empty" for a new report
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / LOCK).touch()
+    write_report(res, empty)

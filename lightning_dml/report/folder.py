@@ -23,10 +23,12 @@ from pathlib import Path
 from lightning_dml.data.cache_dir import write_json_atomic
 from lightning_dml.errors import UserInputError
 
-__all__ = ["MARKER", "ReportFolderError", "check_report_folder", "claim_report_folder", "is_report_folder"]
+__all__ = ["LOCK", "MARKER", "ReportFolderError", "check_report_folder", "claim_report_folder", "is_report_folder"]
 
 #: the marker file of a report folder
 MARKER = "report.json"
+#: the lock file held while a report is written into the folder (``filelock``): not content of the folder
+LOCK = ".report.lock"
 #: what the marker says
 WRITTEN_BY = "lightning-dml report"
 #: the first characters of every report's ``data/summary.js`` (``writer._js("DMLReport.summary", ...)``)
@@ -69,7 +71,7 @@ def check_report_folder(folder: str | os.PathLike, overwrite: bool = False, opti
         raise ReportFolderError(f"report folder {folder} is a file, not a folder")
     if overwrite or not folder.is_dir() or is_report_folder(folder):
         return
-    entries = sorted(entry.name for entry in folder.iterdir())
+    entries = sorted(entry.name for entry in folder.iterdir() if entry.name != LOCK)
     if not entries:
         return
     shown = ", ".join(entries[:3]) + (f" and {len(entries) - 3} more" if len(entries) > 3 else "")

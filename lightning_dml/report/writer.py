@@ -35,9 +35,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from filelock import FileLock
 
 from lightning_dml.data.cache_dir import atomic_path, write_text_atomic
-from lightning_dml.report.folder import check_report_folder, claim_report_folder
+from lightning_dml.report.folder import LOCK, check_report_folder, claim_report_folder
 from lightning_dml.report.thumbnails import ImageSource, ThumbnailWriter
 from lightning_dml.retrieval import RetrievalResults
 
@@ -249,7 +250,8 @@ def write_report(
 ) -> Report:
     """Write the report of ``results`` into the folder ``out`` (created; the page and data files are replaced,
     the thumbnails kept and reused). ``out`` must be new, empty or an earlier report unless ``overwrite``
-    (:func:`~lightning_dml.report.folder.claim_report_folder`); every file is written atomically.
+    (:func:`~lightning_dml.report.folder.claim_report_folder`); every file is written atomically, and the folder is
+    locked while it is written (``.report.lock``): a second run into the same folder waits for the first.
 
     Args:
         results: the retrieval results (with :attr:`~RetrievalResults.pair_histogram` for the histograms).
@@ -274,40 +276,42 @@ def write_report(
         results, queries=queries, by=by, per_page=per_page, recall_at=recall_at, confused=confused,
         embeddings=embeddings, embedding_indices=embedding_indices, title=title, source=source,
     )
-    folder = claim_report_folder(out, overwrite, option="overwrite=True")
-    (folder / "data").mkdir(parents=True, exist_ok=True)
-    thumbs: dict[int, Path | None] = {}
-    writer = ThumbnailWriter(folder / "thumbs", size=thumb_size, fmt=thumb_format)
-    if images is not None:
-        thumbs = writer.write(images, sorted(items))
+    Path(out).mkdir(parents=True, exist_ok=True)
+    with FileLock(str(Path(out) / LOCK)):  # two runs into one folder write one after the other
+        folder = claim_report_folder(out, overwrite, option="overwrite=True")
+        (folder / "data").mkdir(parents=True, exist_ok=True)
+        thumbs: dict[int, Path | None] = {}
+        writer = ThumbnailWriter(folder / "thumbs", size=thumb_size, fmt=thumb_format)
+        if images is not None:
+            thumbs = writer.write(images, sorted(items))
 
-    def item(i: int) -> list[Any]:
-        pos = int(np.searchsorted(results.index, i))
-        name = images.name(i) if images is not None else (
-            Path(results.paths[pos]).name if results.paths is not None else f"item {i}")
-        thumb = thumbs.get(i)
-        return [label_text(results, pos), name, None if thumb is None else thumb.relative_to(folder).as_posix()]
+        def item(i: int) -> list[Any]:
+            pos = int(np.searchsorted(results.index, i))
+            name = images.name(i) if images is not None else (
+                Path(results.paths[pos]).name if results.paths is not None else f"item {i}")
+            thumb = thumbs.get(i)
+            return [label_text(results, pos), name, None if thumb is None else thumb.relative_to(folder).as_posix()]
 
-    if save_results:  # first: the source of truth, from which `lightning-dml report --results` rebuilds the rest
-        with atomic_path(folder / "results.npz", fsync=True) as temporary:
-            results.save(temporary)
-    for n, page in enumerate(pages):
-        needed = {r["q"] for r in page["rows"]} | {h[0] for r in page["rows"] for h in r["hits"]}
-        page["items"] = {str(i): item(i) for i in sorted(needed)}
-        write_text_atomic(folder / "data" / f"queries-{n:05d}.js", _js("DMLReport.page", n, page))
-    examples = {e for p in summary["confused"] for ex in p["examples"] for e in ex[:2]}
-    summary["items"] = {str(i): item(int(i)) for i in sorted(examples)}
-    summary["images"] = images is not None
-    write_text_atomic(folder / "data" / "summary.js", _js("DMLReport.summary", summary))
-    for old in (folder / "data").glob("queries-*.js"):  # a previous report's pages beyond this one's
-        number = re.fullmatch(r"queries-(\d+)\.js", old.name)
-        if number is not None and int(number.group(1)) >= len(pages):
-            old.unlink(missing_ok=True)
-    for name in ("index.html", "report.css", "report.js"):
-        with atomic_path(folder / name) as temporary:
-            shutil.copyfile(ASSETS / name, temporary)
-    return Report(
-        folder=folder, index=folder / "index.html", queries=summary["counts"]["shown"], pages=len(pages),
-        thumbnails_written=writer.written, thumbnails_reused=writer.reused, unreadable=list(writer.failed),
-        metrics=dict(summary["metrics"]),
-    )
+        if save_results:  # first: the source of truth, from which `lightning-dml report --results` rebuilds the rest
+            with atomic_path(folder / "results.npz", fsync=True) as temporary:
+                results.save(temporary)
+        for n, page in enumerate(pages):
+            needed = {r["q"] for r in page["rows"]} | {h[0] for r in page["rows"] for h in r["hits"]}
+            page["items"] = {str(i): item(i) for i in sorted(needed)}
+            write_text_atomic(folder / "data" / f"queries-{n:05d}.js", _js("DMLReport.page", n, page))
+        examples = {e for p in summary["confused"] for ex in p["examples"] for e in ex[:2]}
+        summary["items"] = {str(i): item(int(i)) for i in sorted(examples)}
+        summary["images"] = images is not None
+        write_text_atomic(folder / "data" / "summary.js", _js("DMLReport.summary", summary))
+        for old in (folder / "data").glob("queries-*.js"):  # a previous report's pages beyond this one's
+            number = re.fullmatch(r"queries-(\d+)\.js", old.name)
+            if number is not None and int(number.group(1)) >= len(pages):
+                old.unlink(missing_ok=True)
+        for name in ("index.html", "report.css", "report.js"):
+            with atomic_path(folder / name) as temporary:
+                shutil.copyfile(ASSETS / name, temporary)
+        return Report(
+            folder=folder, index=folder / "index.html", queries=summary["counts"]["shown"], pages=len(pages),
+            thumbnails_written=writer.written, thumbnails_reused=writer.reused, unreadable=list(writer.failed),
+            metrics=dict(summary["metrics"]),
+        )
