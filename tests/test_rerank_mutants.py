@@ -112,9 +112,18 @@ def test_squared_distances_are_exactly_symmetric_with_a_zero_diagonal() -> None:
     for d in (R.squared_distances(x), R.squared_distances(x.reshape(3, 32, 33))[1]):
         assert torch.equal(d, d.transpose(-1, -2))
         assert torch.equal(torch.diagonal(d), torch.zeros(d.shape[0], dtype=torch.float64))
-    # against y: clamped at 0 (a duplicate's distance is 0, never a rounding-negative number)
-    dup = x[:1].repeat(5, 1) * torch.tensor([[1.0], [3.0], [7.0], [1e3], [0.1]], dtype=torch.float64)
-    assert (R.squared_distances(F.normalize(dup, dim=1), F.normalize(dup, dim=1)) >= 0).all()
+
+def test_squared_distances_against_y_equal_the_brute_force_and_are_never_negative() -> None:
+    x, y = 3.0 * _random(7, 5, seed=20), _random(7, 5, seed=21) - 1.0  # raw norms, as many rows as x
+    for a, b in ((x, y), (x, y[:4]), (x[:2], y)):
+        want = ((a[:, None, :] - b[None, :, :]) ** 2).sum(-1)
+        torch.testing.assert_close(R.squared_distances(a, b), want, rtol=1e-12, atol=1e-12)
+    # near-copies (one direction at several scales, normalised): the Gram form rounds below 0, the result is 0
+    dup = F.normalize(x[:1].repeat(64, 1) * torch.logspace(-3, 3, 64, dtype=torch.float64)[:, None], dim=1)
+    raw = (dup * dup).sum(-1)[:, None] + (dup * dup).sum(-1)[None, :] - 2.0 * dup @ dup.T
+    assert (raw < 0).any()  # the case the clamp exists for
+    for d in (R.squared_distances(dup, dup), R.squared_distances(dup)):
+        assert (d >= 0).all()
 
 
 # --------------------------------------------------------------------------------------------- ties, padding
@@ -305,3 +314,12 @@ def test_rerank_search_is_the_plain_search_without_a_reranker_and_the_reranked_o
     got = R.rerank_search(index, queries, 5, rr)
     direct = rr.search(index.search, index.vectors, queries, 5)
     assert torch.equal(got[1], direct[1]) and not torch.equal(got[1], plain[1])
+
+
+def test_dba_ties_go_to_the_smaller_id() -> None:
+    """20 copies of one vector: each is augmented by other copies, so their scores are equal; smaller id first."""
+    gallery = torch.cat([_random(1, 4, seed=22).repeat(20, 1), _random(4, 4, seed=23)])
+    search, vectors = brute_search(gallery)
+    _, ids = R.DatabaseSideAugmentation(n=2, candidates=24).search(search, vectors, _random(2, 4, seed=24), 24)
+    for row in ids.tolist():
+        assert [i for i in row if i < 20] == list(range(20))

@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Mutation check of the library's numerical core: ``make mutants`` (docs/testing.md).
 
-Small AST mutants of ``lightning_dml/losses/``, ``lightning_dml/metrics/``, ``lightning_dml/miners/`` and
-``lightning_dml/data/samplers.py`` are run against the matching fast tests; a mutant that no test notices
+Small AST mutants of ``lightning_dml/losses/``, ``lightning_dml/metrics/``, ``lightning_dml/miners/``,
+``lightning_dml/data/samplers.py``, ``lightning_dml/retrieval/`` and ``lightning_dml/index/rerank.py`` are run against
+the matching fast tests; a mutant that no test notices
 *survives*. The report (``logs/mutants/report.md`` and ``report.json``) lists the survivors, those declared
 equivalent in ``tools/mutants_equivalent.toml`` (with the reason), and the survivor rate.
 
