@@ -246,6 +246,8 @@ RERANKERS = {
     "aqe": R.AlphaQueryExpansion(alpha=2.0, n=3),
     "dba": R.DatabaseSideAugmentation(alpha=2.0, n=3),
     "dba-n-past-gallery": R.DatabaseSideAugmentation(alpha=1.0, n=30),
+    # alpha = 0: every neighbour weighs 1, also those of negative similarity (0^0 = 1), none of the padding
+    "dba-alpha-0-n-past-gallery": R.DatabaseSideAugmentation(alpha=0.0, n=30),
 }
 
 

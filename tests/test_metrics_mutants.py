@@ -1,0 +1,47 @@
+"""The metrics engine (lightning_dml/metrics/): cases the mutation check (issue 26, docs/testing.md) found untested,
+each against the float64 brute force of tests/metrics_reference.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_dml.metrics import functional as F
+from tests.metrics_reference import brute_task_metrics
+
+METRICS = ["precision@3", "ndcg@4", "mrr", "map", "fnmr@fmr=0.1", "fnmr@fmr=1"]
+
+
+def _data(n: int = 40, classes: int = 5, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, classes, (n,), generator=g)
+    return torch.randn(classes, 6, generator=g)[y] + 0.8 * torch.randn(n, 6, generator=g), y
+
+
+def _compare(got: dict, want: dict) -> None:
+    for key, value in want.items():
+        if key.startswith("_") or key.startswith("threshold"):
+            continue
+        assert got[key] == pytest.approx(value, abs=1e-12), key
+
+
+def test_label_sets_of_one_column_are_the_plain_labels() -> None:
+    """``[N, 1]`` label sets (L = 1 is allowed, only L = 0 is refused) give the plain labels' figures."""
+    x, y = _data()
+    plain = F.retrieval_metrics(x, y, metrics=METRICS)
+    sets = F.retrieval_metrics(x, y.unsqueeze(1), metrics=METRICS)
+    assert sets == plain
+    _compare(plain, brute_task_metrics(x, y, precision_at=(3,), ndcg_at=(4,), fmrs=("0.1", "1")))
+    with pytest.raises(ValueError, match="L >= 1"):
+        F.retrieval_metrics(x, torch.zeros(40, 0, dtype=torch.long))
+
+
+def test_fnmr_at_fmr_one_and_without_negative_pairs() -> None:
+    """F = 1 accepts every pair: threshold -inf, FNMR 0.0; a set of one class has no negative pair: the same."""
+    x, y = _data(seed=1)
+    got = F.retrieval_metrics(x, y, metrics=["fnmr@fmr=1", "fnmr@fmr=0.5"])
+    want = brute_task_metrics(x, y, fmrs=("1", "0.5"))
+    assert got["fnmr@fmr=1"] == 0.0 and got["threshold@fmr=1"] == float("-inf")
+    assert got["fnmr@fmr=0.5"] == pytest.approx(want["fnmr@fmr=0.5"], abs=1e-15)
+    one = F.retrieval_metrics(x, torch.zeros_like(y), metrics=["fnmr@fmr=0.5"])
+    assert one["fnmr@fmr=0.5"] == 0.0 and one["threshold@fmr=0.5"] == float("-inf")
