@@ -33,9 +33,10 @@ _COMMON_SHIFT_SPREAD = 60.0
 
 
 def _scaled(x, factors: tuple[float, ...]):
-    """``x`` times each factor in turn (in place for a tensor)."""
+    """``x`` times each factor in turn (in place for a tensor; a factor 1 is skipped: no pass over ``x``)."""
     for f in factors:
-        x = x.mul_(f) if isinstance(x, Tensor) else x * f
+        if f != 1.0:
+            x = x.mul_(f) if isinstance(x, Tensor) else x * f
     return x
 
 
