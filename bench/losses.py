@@ -6,10 +6,21 @@ Usage::
     OMP_NUM_THREADS=1 python bench/losses.py --cases issue13 --batch 512 2048   # the losses of issue 13
     python bench/losses.py --batch 512 --cases multi_similarity contrastive --repeats 9
     python bench/losses.py --device cuda                           # when a GPU is present (default: auto)
+    git worktree add /tmp/before HEAD~1                            # a checkout of the code before a change ...
+    OMP_NUM_THREADS=1 python bench/losses.py --cases nca --batch 512 --compare-with /tmp/before   # ... against it
 
 Timing: for every (case, batch) the two implementations run interleaved (ours, pml, ours, pml, ...) on the same
 embeddings and labels, ``--repeats`` times each after one warm-up, and the medians are reported with their ratio
 (ours / pml; < 1 means faster). One run = build the loss input (the same leaf tensor), forward, backward.
+``--compare-with DIR``: before / after timing of a change. Two worker processes, one importing ``lightning_dml``
+from this checkout and one from ``DIR`` (another checkout, e.g. a ``git worktree`` of the previous commit), run
+the same cases of this script on the same inputs; the parent alternates their runs (ours, before, pml in each
+worker, then the reverse order, ...), so that both see the same load and do the same work, and reports the medians
+with ours / before and both ratios to pml (each to the pml of its own worker), and ours / before of the fastest
+runs (the least disturbed on a loaded machine). ``--clock thread`` times the calling thread's CPU time instead
+of the wall clock (the CPU with ``OMP_NUM_THREADS=1`` only: torch then works in that thread, and the time other
+processes hold the cores is not counted; the better measure on a shared machine, though it still sees their cache
+traffic). The two values are checked equal as for pml. No memory measurement.
 Peak memory: each (case, batch, implementation) runs once more in a fresh subprocess, and the process's peak
 resident set size is reported together with its value just before the loss ran (imports and data included; the
 high-water mark is reset there through ``/proc/self/clear_refs``), so the difference is the loss's own peak.
@@ -41,7 +52,16 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+def _package_root() -> str:
+    """The checkout whose ``lightning_dml`` is timed: this script's own, or the one given by ``--package-root``
+    (the workers of ``--compare-with``)."""
+    if "--package-root" in sys.argv[:-1]:
+        return os.path.abspath(sys.argv[sys.argv.index("--package-root") + 1])
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+sys.path.insert(0, _package_root())
 
 CASES = [
     "multi_similarity",
@@ -200,16 +220,22 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_once(fn: Callable, data: torch.Tensor, labels: torch.Tensor, device: str) -> float:
+def run_once(fn: Callable, data: torch.Tensor, labels: torch.Tensor, device: str,
+             clock: Callable[[], float] = time.perf_counter) -> float:
     if isinstance(fn, torch.nn.Module):
         for param in fn.parameters():
             param.grad = None
     emb = data.clone().requires_grad_(True)
     _sync(device)
-    start = time.perf_counter()
+    start = clock()
     fn(emb, labels).backward()
     _sync(device)
-    return time.perf_counter() - start
+    return clock() - start
+
+
+#: ``--clock``: wall-clock time, or the calling thread's CPU time (one intra-op thread on the CPU: all of torch's
+#: work runs in that thread, and the time other processes hold the cores is not counted)
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
 
 
 def pml_runs(case: str, batch: int) -> bool:
@@ -299,6 +325,98 @@ def measure_memory(case: str, impl: str, batch: int, dim: int, device: str, num_
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def timing_worker(dim: int, device: str, num_classes: int, clock: str = "wall") -> None:
+    """Serves ``--compare-with``: reads ``CASE BATCH IMPL KIND`` lines on stdin and answers each with one line, the
+    time in ms of one :func:`run_once` (``KIND = time``) or the loss value (``KIND = value``); the pair and the
+    inputs are built once per (case, batch), one at a time. The first line it prints is the folder of the
+    ``lightning_dml`` it imported."""
+    import lightning_dml
+
+    print(os.path.dirname(os.path.dirname(os.path.abspath(lightning_dml.__file__))), flush=True)
+    built: dict = {}
+    for line in sys.stdin:
+        case, batch, impl, kind = line.split()
+        if (case, batch) not in built:
+            built.clear()
+            pair = [_to_device(f, device) for f in make_pair(case, num_classes, dim)]
+            built[case, batch] = pair, make_data(case, int(batch), dim, device, num_classes=num_classes)
+        (ours, theirs), (data, labels) = built[case, batch]
+        fn = ours if impl == "ours" else theirs
+        if kind == "value":
+            with torch.no_grad():
+                answer = float(fn(data, labels))
+        else:
+            answer = 1e3 * run_once(fn, data, labels, device, CLOCKS[clock])
+        print(repr(answer), flush=True)
+
+
+def compare_trees(cases: List[str], batches: List[int], other: str, repeats: int, dim: int, device: str,
+                  num_classes: int, clock: str = "wall") -> List[dict]:
+    """Ours (this checkout) against ours from ``other`` and pml, interleaved in two worker processes; prints a
+    markdown table and returns its rows."""
+    script = os.path.abspath(__file__)
+    roots = {"ours": _package_root(), "before": os.path.abspath(other)}
+    workers = {
+        name: subprocess.Popen(
+            [sys.executable, script, "--timing-worker", "--dim", str(dim), "--device", device,
+             "--num-classes", str(num_classes), "--clock", clock, "--package-root", root],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for name, root in roots.items()
+    }
+    for name, worker in workers.items():  # each imported the checkout it was given (not, e.g., an installed copy)
+        imported = worker.stdout.readline().strip()
+        if os.path.realpath(imported) != os.path.realpath(roots[name]):
+            raise RuntimeError(f"the {name!r} worker imported lightning_dml from {imported!r}, not {roots[name]!r}")
+
+    def ask(name: str, case: str, batch: int, kind: str) -> float:
+        worker = workers["before" if name in ("before", "pml_before") else "ours"]
+        worker.stdin.write(f"{case} {batch} {'pml' if name.startswith('pml') else 'ours'} {kind}\n")
+        worker.stdin.flush()
+        reply = worker.stdout.readline()
+        if not reply:
+            raise RuntimeError(f"the timing worker for {name!r} stopped (case {case}, batch {batch})")
+        return float(reply)
+
+    print(f"# ours = {roots['ours']}, before = {roots['before']}, device {device}, dim {dim}, "
+          f"repeats {repeats} each, interleaved, {clock} clock")
+    print("| loss | B | ours ms | before ms | pml ms (each worker) | ours/before | ours/pml | before/pml "
+          "| ours/before (fastest) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    try:
+        for case in cases:
+            for batch in batches:
+                if batch > MAX_BATCH.get(case, batch):
+                    continue
+                # pml runs in both workers, so that both processes do the same work (allocator state, caches)
+                names = ["ours", "before"] + (["pml", "pml_before"] if pml_runs(case, batch) else [])
+                values = {n: ask(n, case, batch, "value") for n in names}
+                for n in names:  # warm-up
+                    ask(n, case, batch, "time")
+                times: Dict[str, List[float]] = {n: [] for n in names}
+                for i in range(repeats):
+                    for n in names if i % 2 == 0 else names[::-1]:
+                        times[n].append(ask(n, case, batch, "time"))
+                med = {n: statistics.median(t) for n, t in times.items()}
+                pml, pml_before = med.get("pml", float("nan")), med.get("pml_before", float("nan"))
+                row = {"case": case, "batch": batch, **{f"{n}_ms": m for n, m in med.items()},
+                       "ours_before": med["ours"] / med["before"], "ours_pml": med["ours"] / pml,
+                       "before_pml": med["before"] / pml_before,
+                       "ours_before_fastest": min(times["ours"]) / min(times["before"]),
+                       "value_rel_diff": abs(values["ours"] - values["before"]) / max(abs(values["before"]), 1e-12)}
+                rows.append(row)
+                note = f" (values differ: rel. {row['value_rel_diff']:.1e})" if row["value_rel_diff"] > 1e-4 else ""
+                print(f"| {case}{note} | {batch} | {med['ours']:.2f} | {med['before']:.2f} | "
+                      f"{pml:.2f} / {pml_before:.2f} | "
+                      f"{row['ours_before']:.3f} | {row['ours_pml']:.3f} | {row['before_pml']:.3f} | "
+                      f"{row['ours_before_fastest']:.3f} |", flush=True)
+    finally:
+        for worker in workers.values():
+            worker.stdin.close()
+            worker.wait()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=["seed"], choices=ALL_CASES + list(GROUPS),
@@ -313,13 +431,31 @@ def main() -> None:
     parser.add_argument("--plain", action="store_true",
                         help="time our plain masked autograd path instead of the closed-form backward")
     parser.add_argument("--json", default=None, help="also write the raw results to this file")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="with --compare-with: 'thread' times the thread's CPU time (CPU, OMP_NUM_THREADS=1 only)")
+    parser.add_argument("--compare-with", metavar="DIR", default=None,
+                        help="time ours against the lightning_dml of another checkout DIR, interleaved (see above)")
     parser.add_argument("--memory-child", nargs=3, metavar=("CASE", "IMPL", "BATCH"), help=argparse.SUPPRESS)
+    parser.add_argument("--timing-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--package-root", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child:
         case, impl, batch = args.memory_child
         memory_child(case, impl, int(batch), args.dim, args.device, args.num_classes)
         return
+    if args.clock == "thread" and (args.device != "cpu" or torch.get_num_threads() != 1):
+        parser.error("--clock thread needs --device cpu and one intra-op thread (OMP_NUM_THREADS=1)")
+    if args.timing_worker:
+        timing_worker(args.dim, args.device, args.num_classes, args.clock)
+        return
     cases = [c for name in args.cases for c in GROUPS.get(name, [name])]
+    if args.compare_with:
+        rows = compare_trees(cases, args.batch, args.compare_with, args.repeats, args.dim, args.device,
+                             args.num_classes, args.clock)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(rows, fh, indent=1)
+        return
 
     import pytorch_metric_learning
 
