@@ -260,3 +260,12 @@ def test_load_refuses_a_file_with_pickled_objects(tmp_path) -> None:
     np.savez(tmp_path / "evil.npz", **arrays)
     with pytest.raises(ValueError, match="pickle"):
         RetrievalResults.load(tmp_path / "evil.npz")
+
+
+def test_histogram_checks_its_inputs_by_default() -> None:
+    """Bad input is one clear ValueError naming it (validate=True is the default), never silent counts."""
+    x, y = _data(n=6)
+    with pytest.raises(ValueError, match="labels has 5 entries"):
+        pair_score_histogram(x, y[:5], bins=2)
+    with pytest.raises(ValueError, match="integer"):
+        pair_score_histogram(x, y.float(), bins=2)
