@@ -45,3 +45,26 @@ def test_fnmr_at_fmr_one_and_without_negative_pairs() -> None:
     assert got["fnmr@fmr=0.5"] == pytest.approx(want["fnmr@fmr=0.5"], abs=1e-15)
     one = F.retrieval_metrics(x, torch.zeros_like(y), metrics=["fnmr@fmr=0.5"])
     assert one["fnmr@fmr=0.5"] == 0.0 and one["threshold@fmr=0.5"] == float("-inf")
+
+
+def test_neighbour_lists_past_the_gallery_are_padded() -> None:
+    """k larger than the gallery: the real neighbours in the brute-force order, then -1 (scores -inf)."""
+    x, y = _data(n=12, classes=3, seed=2)
+    qm = torch.arange(12) < 2
+    gm = (torch.arange(12) >= 2) & (torch.arange(12) < 5)
+    stats = F.retrieval_stats(x, y, query_mask=qm, gallery_mask=gm, k=5)
+    xn = torch.nn.functional.normalize(x.double(), dim=1)
+    for row, q in enumerate((0, 1)):
+        s = xn[2:5] @ xn[q]
+        want = sorted(range(2, 5), key=lambda g: (-float(s[g - 2]), g))
+        assert stats.neighbors[row].tolist() == want + [-1, -1]
+    scores, ids = F.knn(x[:2], x[2:5], k=5)
+    assert (ids[:, 3:] == -1).all() and torch.isinf(scores[:, 3:]).all() and (ids[:, :3] >= 0).all()
+
+
+def test_a_rate_written_with_more_digits_than_a_float_keeps_its_digits() -> None:
+    """``fnmr@fmr=F`` is keyed by F's exact decimal digits, also past float precision (a finite decimal)."""
+    name = "fnmr@fmr=0.12345678901234567890123"
+    x, y = _data(n=12, classes=3, seed=3)
+    got = F.retrieval_metrics(x, y, recall_at=(1,), metrics=[name])
+    assert name in got and "threshold@fmr=0.12345678901234567890123" in got
