@@ -68,3 +68,12 @@ def test_a_rate_written_with_more_digits_than_a_float_keeps_its_digits() -> None
     x, y = _data(n=12, classes=3, seed=3)
     got = F.retrieval_metrics(x, y, recall_at=(1,), metrics=[name])
     assert name in got and "threshold@fmr=0.12345678901234567890123" in got
+
+
+def test_stats_to_metrics_defaults_are_retrieval_metrics_defaults() -> None:
+    """Recall@1, 2, 4, 8 with R-Precision and MAP@R by default, as retrieval_metrics (same figures)."""
+    x, y = _data(seed=4)
+    got = F.stats_to_metrics(F.retrieval_stats(x, y, rank_ks=(1, 2, 4, 8), metrics=["map@r"]))
+    assert got == F.retrieval_metrics(x, y)
+    assert sorted(got) == sorted(["recall@1", "recall@2", "recall@4", "recall@8", "precision@1", "r_precision",
+                                  "map@r"])
