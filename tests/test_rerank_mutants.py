@@ -278,9 +278,13 @@ def test_rerank_metrics_euclidean_equal_the_reference(name) -> None:
 
 
 def test_k_reciprocal_with_one_candidate_is_the_exact_ranking() -> None:
-    """candidates=1: nothing to re-rank, the lists (and figures) are the exact engine's."""
-    x, y = clustered(30, 4, 5, seed=17, noise=0.9)
-    assert R.rerank_metrics(R.KReciprocal(k1=3, k2=2, candidates=1), x, y) == R.rerank_metrics(None, x, y)
+    """candidates=1: nothing to re-rank, the lists (and figures) are the exact engine's (pure Jaccard distances,
+    lambda = 0, with small k1: re-ranking two candidates would reorder some of these lists)."""
+    for seed in (17, 0):
+        x, y = clustered(30, 4, 5, seed=seed, noise=1.2)
+        for rr in (R.KReciprocal(k1=3, k2=2, candidates=1), R.KReciprocal(k1=1, k2=1, lambda_=0.0, candidates=1),
+                   R.KReciprocal(k1=2, k2=1, lambda_=0.0, candidates=1)):
+            assert R.rerank_metrics(rr, x, y) == R.rerank_metrics(None, x, y)
 
 
 def test_negative_similarities_weigh_nothing() -> None:
@@ -325,3 +329,38 @@ def test_dba_ties_go_to_the_smaller_id() -> None:
     _, ids = R.DatabaseSideAugmentation(n=2, candidates=24).search(search, vectors, _random(2, 4, seed=24), 24)
     for row in ids.tolist():
         assert [i for i in row if i < 20] == list(range(20))
+
+
+@pytest.mark.parametrize("reranker", [R.KReciprocal(k1=3, k2=2, candidates=4), R.AlphaQueryExpansion(alpha=1.0, n=2),
+                                      R.DatabaseSideAugmentation(alpha=1.0, n=2, candidates=4)],
+                         ids=["kreciprocal", "aqe", "dba"])
+def test_rerank_search_pads_past_the_gallery(reranker) -> None:
+    """k = N + 1 on an index of N items (candidates clamped to N): k columns, the last one padding."""
+    gallery, queries = _random(5, 4, seed=25), _random(3, 4, seed=26)
+    scores, ids = R.rerank_search(_Index(gallery), queries, 6, reranker)
+    assert ids.shape == (3, 6) and (ids[:, 5] == -1).all() and torch.isinf(scores[:, 5]).all()
+    assert all(sorted(row[:5]) == list(range(5)) for row in ids.tolist())
+
+
+@pytest.mark.parametrize("through_index", [False, True])
+def test_alpha_zero_with_n_past_the_gallery_matches_the_reference(through_index) -> None:
+    """n past the gallery: at most the N (AQE) or N - 1 (DBA, itself excluded) neighbours there are, called with or
+    without the index's size; padding weighs nothing, also at alpha = 0 (where every neighbour weighs 1). Vectors
+    of positive entries: every similarity is positive, so every neighbour counts (DBA at alpha = 0 would make
+    every augmented vector the same sum, a tie to rounding)."""
+    gallery, queries = _random(5, 4, seed=27).abs() + 0.1, _random(2, 4, seed=28).abs() + 0.1
+    search, _ = brute_search(gallery)
+    for rr in (R.AlphaQueryExpansion(alpha=0.0, n=8), R.DatabaseSideAugmentation(alpha=1.0, n=8, candidates=5)):
+        if through_index:
+            scores, ids = R.rerank_search(_Index(gallery), queries, 5, rr)
+        else:
+            scores, ids = rr.search(search, _strict(gallery), queries, 5)
+        for qi in range(2):
+            if isinstance(rr, R.AlphaQueryExpansion):
+                sims = F.normalize(gallery, dim=1) @ ref_alpha_expand(queries[qi], gallery, 8, 0.0)
+            else:
+                aug = torch.stack([ref_alpha_expand(gallery[j], gallery, 8, 1.0, exclude=j) for j in range(5)])
+                sims = aug @ F.normalize(queries[qi], dim=0)
+            want = sorted(range(5), key=lambda j: (-round(float(sims[j]), 12), j))
+            assert ids[qi].tolist() == want
+            torch.testing.assert_close(scores[qi].double(), sims[want], rtol=0, atol=1e-6)

@@ -114,7 +114,7 @@ def test_confused_pairs_equal_a_loop_reference(sets) -> None:
     assert res.confused_pairs(1000) == want
     assert res.confused_pairs() == want[:20]
     assert res.confused_pairs(3) == want[:3]
-    assert res.confused_pairs(0) == []
+    assert res.confused_pairs(0) == [] and res.confused_pairs(-3) == []
 
 
 def test_views_of_a_one_item_set() -> None:
@@ -194,6 +194,12 @@ def test_histogram_row_chunks(monkeypatch, precision) -> None:
     monkeypatch.setattr(H, "_ROWS", 5)
     h = pair_score_histogram(x.float(), y, bins=8, precision=precision)
     assert (h["positive"], h["negative"]) == want
+    # tiles of more rows (30 queries) than columns (7 gallery items)
+    qm = torch.arange(37) < 30
+    h = pair_score_histogram(x.float(), y, query_mask=qm, gallery_mask=~qm, bins=8, precision=precision)
+    monkeypatch.setattr(H, "_ROWS", 256)
+    assert h == pair_score_histogram(x.float(), y, query_mask=qm, gallery_mask=~qm, bins=8, precision="fp32")
+    assert sum(h["positive"]) + sum(h["negative"]) == 30 * 7
 
 
 def test_histogram_one_bin_and_scores_past_minus_one() -> None:
@@ -269,3 +275,25 @@ def test_histogram_checks_its_inputs_by_default() -> None:
         pair_score_histogram(x, y[:5], bins=2)
     with pytest.raises(ValueError, match="integer"):
         pair_score_histogram(x, y.float(), bins=2)
+
+
+def test_pairs_on_an_edge_that_the_approximate_pass_may_put_on_either_side() -> None:
+    """Unit vectors 60 and 120 degrees apart at random angles: cosines +-0.5 are edges of 8 bins, and the bf16 /
+    tf32 approximate scores fall on either side of them. Every pair is in the bin of its exact float64 score (the
+    engine's ``scorer.exact``, the reference the histogram promises), for every precision."""
+    g = torch.Generator().manual_seed(0)
+    theta = torch.rand(40, generator=g, dtype=torch.float64) * 2 * math.pi
+    ang = torch.cat([theta, theta + math.pi / 3, theta + 2 * math.pi / 3])
+    x = torch.stack([torch.cos(ang), torch.sin(ang)], 1).float()
+    y = torch.arange(120) % 7
+    from lightning_dml.metrics import functional as MF
+
+    task, scorer, _ = MF.build_search(MF.prepare(x, y), metric="cosine", precision="fp32")
+    qi, gi = torch.arange(120).repeat_interleave(120), torch.arange(120).repeat(120)
+    keep = qi != gi
+    s = scorer.exact(task.q_items[qi[keep]], task.g_items[gi[keep]])
+    assert int(((s.abs() - 0.5).abs() < 1e-6).sum()) >= 200  # many pairs on an edge
+    total = torch.bincount(torch.floor((s + 1.0) / 0.25).clamp(0, 7).long(), minlength=8).tolist()
+    for precision in ("bf16", "tf32", "fp32"):
+        h = pair_score_histogram(x, y, bins=8, precision=precision)
+        assert [p + q for p, q in zip(h["positive"], h["negative"])] == total, precision
