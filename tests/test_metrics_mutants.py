@@ -45,6 +45,9 @@ def test_fnmr_at_fmr_one_and_without_negative_pairs() -> None:
     assert got["fnmr@fmr=0.5"] == pytest.approx(want["fnmr@fmr=0.5"], abs=1e-15)
     one = F.retrieval_metrics(x, torch.zeros_like(y), metrics=["fnmr@fmr=0.5"])
     assert one["fnmr@fmr=0.5"] == 0.0 and one["threshold@fmr=0.5"] == float("-inf")
+    # the false match rate reached: 0.0 without a negative pair, 1.0 when F = 1 accepts every negative
+    assert F.retrieval_stats(x, torch.zeros_like(y), metrics=["fnmr@fmr=0.5"]).pairs.fmr == [0.0]
+    assert F.retrieval_stats(x, y, metrics=["fnmr@fmr=1"]).pairs.fmr == [1.0]
 
 
 def test_neighbour_lists_past_the_gallery_are_padded() -> None:
