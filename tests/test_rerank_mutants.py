@@ -364,3 +364,15 @@ def test_alpha_zero_with_n_past_the_gallery_matches_the_reference(through_index)
             want = sorted(range(5), key=lambda j: (-round(float(sims[j]), 12), j))
             assert ids[qi].tolist() == want
             torch.testing.assert_close(scores[qi].double(), sims[want], rtol=0, atol=1e-6)
+
+
+def test_k_reciprocal_jaccard_denominator_of_exactly_one() -> None:
+    """Points on a line with shrinking gaps (10, 9, 8, 7, 6), k1 = 1, k2 = 3: no nearest-neighbour pair of the first
+    three is mutual, so each of them has R* = {itself}; the probe and its nearest item have the same 3 nearest
+    items, hence equal expanded rows whose max-sum is exactly 1: d_J = 0, not the fallback 1."""
+    x = torch.tensor([[0.0], [10.0], [19.0], [27.0], [34.0], [40.0]], dtype=torch.float64)
+    dist = R.squared_distances(x)
+    want = torch.tensor(ref_k_reciprocal(dist.tolist(), 1, 3, 0.0), dtype=torch.float64)
+    assert float(want[0]) == 0.0
+    got = R.k_reciprocal_distance(dist.unsqueeze(0), k1=1, k2=3, lambda_=0.0)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
