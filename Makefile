@@ -45,7 +45,8 @@ bench: $(STAMP)
 compare: $(STAMP)
 	OMP_NUM_THREADS=2 $(PY) bench/protocol_comparison.py --out logs/compare
 
-## Mutation check (docs/testing.md): small mutants of losses/, metrics/, miners/ and data/samplers.py against the
+## Mutation check (docs/testing.md): small mutants of losses/, metrics/, miners/, data/samplers.py, retrieval/ and
+## index/rerank.py against the
 ## matching fast tests, run on copies under /tmp (the working tree is never modified), at nice 19; report in
 ## logs/mutants/report.md. Options through MUTANTS_ARGS, e.g. MUTANTS_ARGS="--sample 600" (a seeded sample) or
 ## MUTANTS_ARGS="--survivors-of logs/mutants/report.json" (rerun the last survivors); exit status 1 when one of
