@@ -1,5 +1,6 @@
 """2 gloo processes on the CPU: RetrievalResults with ``distributed=True`` (every process passes the same set and
-searches its share) equals the single-process results on every process, array for array, and its Recall@K and
+searches its share) equals the single-process results on every process, array for array (the pair-score histogram
+included), and its Recall@K and
 MAP@R equal RetrievalMetrics' under the same DDP run. Prints "RESULTS-DDP-OK" from rank 0."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from lightning_dml.metrics import RetrievalMetrics  # noqa: E402
 from lightning_dml.retrieval import RetrievalResults  # noqa: E402
 from tests.test_metrics_tasks import _task_data  # noqa: E402
 
-KW = dict(top_k=6, query_block=64, gallery_chunk=90)
+KW = dict(top_k=6, query_block=64, gallery_chunk=90, pair_histogram_bins=16)
 
 
 def worker(rank: int, port: int, expected: RetrievalResults, world: int) -> None:
@@ -29,6 +30,8 @@ def worker(rank: int, port: int, expected: RetrievalResults, world: int) -> None
     got = RetrievalResults.compute(x, labels, sequence=seq, category=cat, distributed=True, **KW)
     bad = [name for name, value in vars(expected).items()
            if isinstance(value, np.ndarray) and not np.array_equal(value, getattr(got, name), equal_nan=value.dtype.kind == "f")]
+    if got.pair_histogram != expected.pair_histogram:  # the exact pair counts, summed over the processes
+        bad.append("pair_histogram")
     shard = torch.arange(rank, 500, world)
     m = RetrievalMetrics(clustering=False, recall_at=(1, 2, 4))
     m.update(x[shard], labels[shard], indices=shard, sequence=seq[shard], category=cat[shard])
