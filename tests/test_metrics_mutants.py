@@ -80,3 +80,11 @@ def test_stats_to_metrics_defaults_are_retrieval_metrics_defaults() -> None:
     assert got == F.retrieval_metrics(x, y)
     assert sorted(got) == sorted(["recall@1", "recall@2", "recall@4", "recall@8", "precision@1", "r_precision",
                                   "map@r"])
+
+
+@pytest.mark.parametrize("clusters", [[0, 1, 2, 3], [0, 1, 0, 1]])
+def test_clustering_f1_without_a_correct_pair_is_zero(clusters: list[int]) -> None:
+    """No pair both in one cluster and in one class: precision and recall are 0 and F1 is 0 (the documented value),
+    whether the clusters are singletons (no same-cluster pair at all) or mix the classes."""
+    labels = torch.tensor([0, 0, 1, 1])
+    assert F.f1_score(labels, torch.tensor(clusters)) == 0.0
