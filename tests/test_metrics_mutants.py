@@ -88,3 +88,22 @@ def test_clustering_f1_without_a_correct_pair_is_zero(clusters: list[int]) -> No
     whether the clusters are singletons (no same-cluster pair at all) or mix the classes."""
     labels = torch.tensor([0, 0, 1, 1])
     assert F.f1_score(labels, torch.tensor(clusters)) == 0.0
+
+
+def test_faiss_kmeans_refuses_more_clusters_than_points_whatever_the_width() -> None:
+    """The bound is the number of points (x.shape[0]), not the width: 5 clusters of 3 points in 8 dimensions."""
+    from lightning_dml.metrics.kmeans import faiss_available, kmeans
+
+    if not faiss_available():
+        pytest.skip("faiss is not installed (the faiss extra)")
+    with pytest.raises(ValueError, match="1 <= k <= number of points"):
+        kmeans(torch.randn(3, 8), 5, backend="faiss")
+
+
+def test_an_evaluation_batch_of_images_and_labels_alone_is_accepted() -> None:
+    """``(images, labels)``: no indices, masks, sequences or categories."""
+    from lightning_dml.metrics.retrieval import eval_batch_targets
+
+    labels = torch.tensor([1, 2])
+    got = eval_batch_targets((torch.zeros(2, 3), labels))
+    assert got["labels"] is labels and got["indices"] is None and got["query_mask"] is None
