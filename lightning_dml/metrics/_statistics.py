@@ -144,7 +144,10 @@ def _needs_k(stats: RetrievalStats, k: int, name: str) -> None:
 
 
 def per_query(stats: RetrievalStats, metric: MetricName) -> tuple[Tensor, Tensor]:
-    """``(values, included)``: the metric's float64 value per query and the queries it averages over."""
+    """``(values, included)``: the metric's float64 value per query and the queries it averages over.
+
+    Every query has a finite value: one left out of the mean (R = 0 for R-Precision, MAP@R, MAP and NDCG@K) gets 0.0.
+    """
     fpr, r = stats.first_positive_rank, stats.num_relevant
     everyone = torch.ones_like(r, dtype=torch.bool)
     with_r = r > 0
