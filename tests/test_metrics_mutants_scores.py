@@ -167,3 +167,17 @@ def test_evaluation_batches_of_every_documented_length() -> None:
     for n in (1, 4, 6):
         with pytest.raises(ValueError, match="evaluation batch"):
             eval_batch_targets(tuple(t[:n]))
+
+
+def test_an_embedding_too_wide_for_the_error_bound_is_refused() -> None:
+    """Higham's gamma_D = D u / (1 - D u) needs D u < 1: at D = 2^24 (u = 2^-24, float32 on the CPU) it divided by
+    zero, past it the bound was negative (every approximate comparison trusted: wrong figures). The scorer refuses
+    D u > 1/16 (here D > 2^20) with a message naming the dimension, and accepts D = 2^20."""
+    for d in (2**20 + 1, 2**24, 2**24 + 8):
+        with pytest.raises(ValueError, match=f"embedding dimension {d} is too large"):
+            Scorer(torch.empty(0, d), "cosine", "fp32")
+    sc = Scorer(torch.ones(2, 2**20), "cosine", "fp32")
+    items = torch.arange(2)
+    w = sc.error_bound(items, items)
+    assert bool((w > 0).all()) and bool((w < 1).all())
+    assert torch.equal(sc.exact(items, items), torch.ones(2, dtype=torch.float64))

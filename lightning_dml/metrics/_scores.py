@@ -63,6 +63,12 @@ def _gamma(n: int, u: float) -> float:
     return n * u / (1.0 - n * u)
 
 
+def accumulation_unit(device: torch.device, precision: str) -> float:
+    """Unit roundoff of the product's float32 additions: tensor cores (TF32, bf16 on CUDA) may truncate instead of
+    rounding, 2u per addition; u elsewhere."""
+    return 2 * _U32 if device.type == "cuda" and precision != "fp32" else _U32
+
+
 def round_to_tf32(x: Tensor) -> Tensor:
     """float32 -> the nearest TF32 value (10 explicit mantissa bits, ties to even), kept in float32."""
     b = x.contiguous().view(torch.int32)
@@ -125,6 +131,14 @@ class Scorer:
             raise ValueError(f"metric must be 'cosine' or 'euclidean', got {metric!r}")
         if precision not in ("fp32", "tf32", "bf16"):
             raise ValueError(f"precision must be 'fp32', 'tf32' or 'bf16', got {precision!r}")
+        d = x.shape[1]
+        if d * accumulation_unit(x.device, precision) > 1 / 16:
+            # Higham's gamma_D needs D u < 1; past D u = 1/16 the bound is over 6% of |q| |g| (useless) and the
+            # safety factor of error_bound no longer covers every term
+            raise ValueError(
+                f"embedding dimension {d} is too large for the exact search in {precision} on {x.device.type}: at most "
+                f"{math.floor(1 / (16 * accumulation_unit(x.device, precision)))} (D u <= 1/16 for the error bound)"
+            )
         self.device = x.device
         self.threads = torch.get_num_threads()  # for the matrix products; the rest runs on one thread
         self.metric = metric
@@ -173,8 +187,7 @@ class Scorer:
         self.resid = resid
         # an input of the bound only: any float64 summation order will do (its error is covered by the margin)
         self.rep_norm = torch.linalg.vector_norm(self.rep, dim=1, dtype=torch.float64)
-        # tensor cores (TF32, bf16 on CUDA) may truncate instead of rounding: 2u per addition
-        self._acc_u = 2 * _U32 if self.device.type == "cuda" and precision != "fp32" else _U32
+        self._acc_u = accumulation_unit(self.device, precision)
         if metric == "euclidean":
             self.sq32 = (x * x).sum(dim=1)  # float32 squared norms used by the approximate pass
 
