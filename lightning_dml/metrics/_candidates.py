@@ -33,7 +33,7 @@ def count_true(m: Tensor, dim: int) -> Tensor:
     no carry crosses lanes), then the lanes: 10 to 40 times faster than a byte sum, which torch does not
     vectorise well. Elsewhere (CUDA) a byte sum.
     """
-    if not packable(m):
+    if m.numel() == 0 or not packable(m):  # no entry: no lane to stack
         return m.view(torch.uint8).sum(dim=dim, dtype=torch.int32)
     words = m.view(torch.int64)  # [R, C / 8]
     if dim == 1:
