@@ -41,7 +41,8 @@ candidates (``_scan`` filling ``_candidates``) -> exact ranks (``_ranks``; ``_dd
 * :func:`score_tile` ``(scorer, task, rows, c0, c1)``: the approximate scores of query rows ``rows`` against gallery
   positions ``[c0, c1)``, float32, within the scorer's ``error_bound`` of the exact ones, excluded pairs ``-inf``.
 * :func:`retrieval_stats` -> :class:`RetrievalStats`; :func:`parse_metric` -> :class:`MetricName`;
-  :func:`per_query` ``(stats, name)`` -> ``(values, included)`` (float64 per query, the queries averaged);
+  :func:`per_query` ``(stats, name)`` -> ``(values, included)`` (float64 per query, the queries averaged; a query
+  left out gets 0.0, never NaN);
   :func:`exact_mean` (the correctly rounded mean ``reduce_metrics`` uses); :func:`exact_rate` (a false match rate
   as the exact rational ``fnmr@fmr`` uses).
 """
