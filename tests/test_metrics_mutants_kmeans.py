@@ -46,6 +46,21 @@ def test_kmeans_plus_plus_never_draws_a_point_on_a_centre_while_others_remain(se
     assert {tuple(row.tolist()) for row in c} == {tuple(row.tolist()) for row in x}
 
 
+def test_an_emptied_cluster_is_reseeded_with_the_farthest_point(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two coincident initial centres (the second gets no point: ties go to the lower index): the empty cluster
+    is re-seeded with the point farthest from its centre, so the three separated groups end in three clusters
+    (an empty centre left at the origin, far from every point, would merge two groups for good)."""
+    a = [[0.9, 0.9], [0.92, 0.9], [0.9, 0.92], [0.88, 0.9]]
+    b = [[0.9, 0.5], [0.92, 0.5], [0.9, 0.52]]
+    c = [[0.5, 0.9], [0.5, 0.92], [0.52, 0.9]]
+    x = torch.tensor(a + b + c)
+    monkeypatch.setattr(km, "_kmeans_plus_plus", lambda x, k, g: x[[0, 0, 4]].clone())
+    labels = km.torch_kmeans(x, 3, iters=5).tolist()
+    groups = [labels[:4], labels[4:7], labels[7:]]
+    assert all(len(set(grp)) == 1 for grp in groups), labels
+    assert len({grp[0] for grp in groups}) == 3, labels
+
+
 @pytest.mark.parametrize(("n", "d", "k", "want"), [
     (10, 10**6, 10, "torch"),  # N k = 100: small, however wide the rows (d k = 1e7)
     (10**4, 2, 1000, "faiss"),  # N k = 1e7: large
