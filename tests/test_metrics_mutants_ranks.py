@@ -133,3 +133,32 @@ def test_no_rank_asked_for_a_query_without_positive_is_minus_one() -> None:
     assert stats.num_relevant.tolist() == [1, 1, 1, 1, 0, 1, 1, 0]
     none = stats.num_relevant == 0
     assert (stats.first_positive_rank[none] == -1).all()
+
+
+def test_a_repaired_window_tops_out_near_the_largest_score(monkeypatch) -> None:
+    """The histogram repair of a missed ``fnmr@fmr`` window takes the *lowest* bin whose count bounds the
+    threshold as the window's top: within a bin of the largest score (cosine <= 1), not the top of the float range
+    (which would collect every pair above the threshold), and the figures are the brute force's."""
+    from tests.metrics_reference import brute_task_metrics
+
+    g = torch.Generator().manual_seed(10)
+    y = torch.randint(0, 4, (40,), generator=g)
+    x = torch.randn(4, 6, generator=g)[y] + 0.8 * torch.randn(40, 6, generator=g)
+    planned, guaranteed, tops = _ranks.plan_windows, _ranks.guaranteed_windows, []
+
+    def wrong(task, scorer, grid, fmrs, neg_total, bound, **kw):  # every window far above its threshold
+        w = planned(task, scorer, grid, fmrs, neg_total, bound, **kw)
+        return _ranks.make_windows([2.0] * len(fmrs), [3.0] * len(fmrs), bound, w.low.device)
+
+    def recorded(*a, **k):
+        w = guaranteed(*a, **k)
+        tops.extend(w.high.tolist())
+        return w
+
+    monkeypatch.setattr(_ranks, "plan_windows", wrong)
+    monkeypatch.setattr(_ranks, "guaranteed_windows", recorded)
+    got = F.retrieval_metrics(x, y, recall_at=(1,), metrics=["fnmr@fmr=0.1", "fnmr@fmr=0.25"])
+    want = brute_task_metrics(x, y, (1,), fmrs=("0.1", "0.25"))
+    for key in ("fnmr@fmr=0.1", "fnmr@fmr=0.25"):
+        assert got[key] == pytest.approx(want[key], abs=1e-12)
+    assert len(tops) == 2 and all(t < 1.1 for t in tops), tops
