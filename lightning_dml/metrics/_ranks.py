@@ -374,8 +374,8 @@ def run_search(
 ) -> tuple[SearchResult, PairThresholds | None]:
     """The whole search in one process: every query against the gallery, and the pair thresholds if requested.
 
-    ``request.exact_scores=False`` re-scores only the candidates whose order is uncertain: the neighbour order is
-    exact either way, but ``scores`` then holds approximate values where no re-scoring was needed.
+    ``request.exact_scores=False`` re-scores only the candidates whose relevance order is uncertain: the relevance
+    sequence is exact, but runs of near-tied items of one relevance keep gallery order and approximate ``scores``.
     """
     if request.positive_ranks:  # every positive's exact rank gives the first one's
         request = replace(request, rank_ks=(), exact_rank=False)
