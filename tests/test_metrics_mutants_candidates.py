@@ -30,8 +30,6 @@ from lightning_dml.metrics._candidates import (
     true_pairs,
 )
 from lightning_dml.metrics._ranks import run_search
-from lightning_dml.metrics._scan import Grid
-from lightning_dml.metrics._scores import Scorer
 from lightning_dml.metrics._task import RetrievalTask
 from tests.metrics_reference import brute_task_metrics
 
@@ -300,9 +298,11 @@ def test_an_idle_process_takes_part_with_empty_blocks(thread_world, k: int, posi
 def test_every_positive_rank_from_processes_of_unequal_widths(thread_world) -> None:  # noqa: ANN001
     """``map``'s ranks of every positive: the processes' blocks hold queries with 1 and with 5 positives (blocks of
     other widths), the gathered ranks have the one-process width and values."""
-    labels = torch.cat([torch.arange(6), torch.zeros(6, dtype=torch.long), torch.arange(6), torch.zeros(4, dtype=torch.long)])
-    qm = torch.arange(22) < 12  # queries: 6 of 6 classes with one positive each, then 6 of class 0 (5 positives)
+    one, zeros = torch.arange(1, 7), torch.zeros
+    labels = torch.cat([one, zeros(6, dtype=torch.long), one, zeros(5, dtype=torch.long)])
+    qm = torch.arange(23) < 12  # queries: 6 of 6 classes with one positive each, then 6 of class 0 (5 positives)
     task, scorer, grid = _search_inputs(qm, 5, labels, query_block=6)
+    assert [int(task.num_relevant[grid.block_rows(task, b)].max()) for b in range(2)] == [1, 5]
     request = SearchRequest(k=2, rank_ks=(1,), exact_scores=True, positive_ranks=True)
     want, _ = run_search(task, scorer, grid, request)
     assert want.positive_ranks.shape[1] == int(task.num_relevant.max())
