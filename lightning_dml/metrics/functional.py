@@ -350,8 +350,8 @@ def retrieval_stats(
             of every K as the exact rank. It is exact for every query when ``mrr`` or ``map`` is among the metrics.
         metrics: metric names (or parsed names) whose statistics to compute (see :func:`metric_names`): the
             statistics are complete for each of them, whatever else is asked for.
-        exact_scores: every neighbour score exact (else exact where the relevance order needed it; the order is
-            exact either way).
+        exact_scores: every neighbour score and the neighbour order exact (else the relevance sequence is exact,
+            but runs of near-tied items of one relevance keep gallery order and approximate scores).
         precision: approximate-pass precision, ``"auto"``, ``"fp32"``, ``"tf32"`` or ``"bf16"`` (results are exact
             in every case; see :func:`lightning_dml.metrics._device.resolve_precision`).
         device: compute device; default where the embeddings are (``"cpu"`` forces the host).
