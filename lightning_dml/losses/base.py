@@ -32,6 +32,8 @@ So a ``sum`` reduction is multiplied by ``W`` on each process, and a mean divide
 multiplies by ``W``: :func:`batch_normaliser` returns ``N_global / W`` (``1 / W`` for a sum) inside
 :func:`global_reduction`, and ``max(N, 1)`` (``1``) outside it; the counts are detached (they carry no gradient)
 and all-reduced in one collective per call. Every process must call it the same number of times per loss call.
+Inside an anchor block of a chunked loss (:mod:`lightning_dml.losses.chunking`) it returns the block's share:
+``1`` while the counts are captured, then the normaliser of the counts summed over all blocks.
 Losses whose terms couple anchors beyond such a normaliser declare ``gather_mode = "global_batch"`` instead (see
 :mod:`lightning_dml.losses.distributed`).
 """
@@ -48,6 +50,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_dml.distributed import get_world_size
+from lightning_dml.losses.chunking import anchor_chunked_loss, check_anchor_chunk_size, chunk_normaliser
 from lightning_dml.input_checks import check_embeddings, check_finite, check_integer_labels, check_labels
 from lightning_dml.input_checks import check_same_device
 from lightning_dml.miners import cat_labels, label_masks
@@ -109,6 +112,9 @@ def batch_normaliser(count: Tensor | int | None, like: Tensor) -> Tensor:
     (derivation in the module docstring). ``count`` may hold several counts (one collective for all); it is
     detached. ``like`` gives the dtype and device of the result.
     """
+    in_block = chunk_normaliser(count, like)
+    if in_block is not None:
+        return in_block
     world = get_world_size() if _GLOBAL_REDUCTION.get() else 1
     if count is None:
         return torch.full((), 1.0 / world, dtype=like.dtype, device=like.device)
@@ -361,10 +367,28 @@ class PairLoss(nn.Module):
     supports_label_sets: bool = False
     #: why it does not (named in :func:`label_sets_error`; read when ``supports_label_sets`` is False)
     label_sets_reason: str | None = None
+    #: whether the loss takes ``anchor_chunk_size`` (:mod:`lightning_dml.losses.chunking`): true for the losses
+    #: whose value is a sum of per-anchor terms over batch-wide :func:`batch_normaliser` counts
+    supports_anchor_chunks: bool = False
 
     def __init__(self) -> None:
         super().__init__()
         self.closed_form = True
+        #: score the anchors ``anchor_chunk_size`` at a time (``None``: all at once); see :meth:`set_anchor_chunk_size`
+        self.anchor_chunk_size: int | None = None
+
+    def set_anchor_chunk_size(self, value: int | None) -> None:
+        """Build the ``B x N`` similarity matrix and its graph ``value`` anchors at a time, recomputed in the
+        backward (:mod:`lightning_dml.losses.chunking`): memory ``O(value x N)`` instead of ``O(B x N)``, the same
+        value and gradients. ``None`` turns it off. ``ValueError`` for a loss without ``supports_anchor_chunks``."""
+        name = type(self).__name__
+        value = check_anchor_chunk_size(value, name)
+        if value is not None and not self.supports_anchor_chunks:
+            raise ValueError(
+                f"{name}({self.extra_repr()}) does not take anchor_chunk_size: its terms are not a sum over anchors "
+                "with batch-wide counts (docs/losses/README.md, section 'Memory: anchor_chunk_size')"
+            )
+        self.anchor_chunk_size = value
 
     def forward(
         self,
@@ -392,7 +416,14 @@ class PairLoss(nn.Module):
             else:
                 ref = normalize_embeddings(ref_embeddings) if self.normalize else upcast(ref_embeddings)
                 gallery, gallery_labels = torch.cat([anchors, ref]), cat_labels(labels, ref_labels)
-            loss = self.compute(anchors, labels, gallery, gallery_labels)
+            chunk = self.anchor_chunk_size
+            if chunk is not None and anchors.shape[0] > chunk:
+                params = [p for p in self.parameters() if p.requires_grad]
+                loss = anchor_chunked_loss(
+                    self.compute, anchors, labels, gallery, gallery_labels, chunk, params, batch_normaliser
+                )
+            else:
+                loss = self.compute(anchors, labels, gallery, gallery_labels)
         return upcast(loss)
 
     def compute(self, anchors: Tensor, labels: Tensor, gallery: Tensor | None, gallery_labels: Tensor) -> Tensor:

@@ -40,16 +40,19 @@ class CircleLoss(PairLoss):
 
     #: a mean of per-anchor (per-pair) terms over the global gallery: exact under DDP with all-reduced counts
     gather_mode = "references"
+    #: anchor_chunk_size: a sum of per-anchor terms over batch-wide counts (losses.chunking)
+    supports_anchor_chunks = True
     #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
     supports_label_sets = True
 
-    def __init__(self, m: float = 0.25, gamma: float = 256.0) -> None:
+    def __init__(self, m: float = 0.25, gamma: float = 256.0, anchor_chunk_size: int | None = None) -> None:
         super().__init__()
         if not 0 <= m < 1:
             raise ValueError(f"m must be in [0, 1), got {m}")
         if not gamma > 0:
             raise ValueError(f"gamma must be > 0, got {gamma}")
         self.m, self.gamma = float(m), float(gamma)
+        self.set_anchor_chunk_size(anchor_chunk_size)
 
     def extra_repr(self) -> str:
         return f"m={self.m}, gamma={self.gamma}"

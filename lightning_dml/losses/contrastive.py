@@ -59,6 +59,8 @@ class ContrastiveLoss(PairLoss):
 
     #: under DDP: anchors scored against the gathered batch, batch-wide reductions (losses.base)
     gather_mode = "references"
+    #: anchor_chunk_size: a sum of per-anchor terms over batch-wide counts (losses.chunking)
+    supports_anchor_chunks = True
     #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
     supports_label_sets = True
 
@@ -69,6 +71,7 @@ class ContrastiveLoss(PairLoss):
         squared: bool = False,
         squared_hinge: bool = False,
         reduction: str = "mean_nonzero",
+        anchor_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         if pos_margin < 0 or neg_margin < 0:
@@ -77,6 +80,7 @@ class ContrastiveLoss(PairLoss):
             raise ValueError(f"reduction must be one of {PAIR_REDUCTIONS}, got {reduction!r}")
         self.pos_margin, self.neg_margin = float(pos_margin), float(neg_margin)
         self.squared, self.squared_hinge, self.reduction = squared, squared_hinge, reduction
+        self.set_anchor_chunk_size(anchor_chunk_size)
 
     def extra_repr(self) -> str:
         return (

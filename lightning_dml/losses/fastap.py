@@ -36,14 +36,17 @@ class FastAPLoss(PairLoss):
 
     #: a mean of per-anchor (per-pair) terms over the global gallery: exact under DDP with all-reduced counts
     gather_mode = "references"
+    #: anchor_chunk_size: a sum of per-anchor terms over batch-wide counts (losses.chunking)
+    supports_anchor_chunks = True
     #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
     supports_label_sets = True
 
-    def __init__(self, num_bins: int = 10) -> None:
+    def __init__(self, num_bins: int = 10, anchor_chunk_size: int | None = None) -> None:
         super().__init__()
         if isinstance(num_bins, bool) or int(num_bins) != num_bins or num_bins < 1:
             raise ValueError(f"num_bins must be an integer >= 1, got {num_bins!r}")
         self.num_bins = int(num_bins)
+        self.set_anchor_chunk_size(anchor_chunk_size)
 
     def extra_repr(self) -> str:
         return f"num_bins={self.num_bins}"

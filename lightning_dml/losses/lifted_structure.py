@@ -46,7 +46,14 @@ class LiftedStructureLoss(PairLoss):
     #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
     supports_label_sets = True
 
-    def __init__(self, margin: float = 1.0, variant: str = "original", alpha: float = 2.0, beta: float = 50.0) -> None:
+    def __init__(
+        self,
+        margin: float = 1.0,
+        variant: str = "original",
+        alpha: float = 2.0,
+        beta: float = 50.0,
+        anchor_chunk_size: int | None = None,
+    ) -> None:
         super().__init__()
         if variant not in _VARIANTS:
             raise ValueError(f"variant must be one of {_VARIANTS}, got {variant!r}")
@@ -56,6 +63,8 @@ class LiftedStructureLoss(PairLoss):
         self.supports_ref = variant in ("generalized", "star")
         # original / gpw couple anchor i's and j's negative sets in one pair term: the global batch is gathered
         self.gather_mode = "references" if self.supports_ref else "global_batch"
+        self.supports_anchor_chunks = self.supports_ref  # original / gpw couple two anchors' rows
+        self.set_anchor_chunk_size(anchor_chunk_size)
 
     def extra_repr(self) -> str:
         return f"margin={self.margin}, variant={self.variant!r}, alpha={self.alpha}, beta={self.beta}"

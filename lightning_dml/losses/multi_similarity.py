@@ -49,6 +49,8 @@ class MultiSimilarityLoss(PairLoss):
 
     #: under DDP: anchors scored against the gathered batch, batch-wide reductions (losses.base)
     gather_mode = "references"
+    #: anchor_chunk_size: a sum of per-anchor terms over batch-wide counts (losses.chunking)
+    supports_anchor_chunks = True
     #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
     supports_label_sets = True
 
@@ -62,6 +64,7 @@ class MultiSimilarityLoss(PairLoss):
         weighting: bool = True,
         plus_one: bool = True,
         on_empty: str = "keep",
+        anchor_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         if not alpha > 0 or not beta > 0:
@@ -72,6 +75,7 @@ class MultiSimilarityLoss(PairLoss):
             raise ValueError(f"on_empty must be one of {_ON_EMPTY}, got {on_empty!r}")
         self.alpha, self.beta, self.lam, self.eps = float(alpha), float(beta), float(lam), float(eps)
         self.mining, self.weighting, self.plus_one, self.on_empty = mining, weighting, plus_one, on_empty
+        self.set_anchor_chunk_size(anchor_chunk_size)
 
     def extra_repr(self) -> str:
         return (

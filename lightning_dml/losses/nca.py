@@ -43,16 +43,19 @@ class NCALoss(PairLoss):
 
     #: a mean of per-anchor (per-pair) terms over the global gallery: exact under DDP with all-reduced counts
     gather_mode = "references"
+    #: anchor_chunk_size: a sum of per-anchor terms over batch-wide counts (losses.chunking)
+    supports_anchor_chunks = True
     #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
     supports_label_sets = True
 
-    def __init__(self, scale: float = 1.0, objective: str = "log") -> None:
+    def __init__(self, scale: float = 1.0, objective: str = "log", anchor_chunk_size: int | None = None) -> None:
         super().__init__()
         if not scale > 0:
             raise ValueError(f"scale must be > 0, got {scale}")
         if objective not in _OBJECTIVES:
             raise ValueError(f"objective must be one of {_OBJECTIVES}, got {objective!r}")
         self.scale, self.objective = float(scale), objective
+        self.set_anchor_chunk_size(anchor_chunk_size)
 
     def extra_repr(self) -> str:
         return f"scale={self.scale}, objective={self.objective!r}"

@@ -37,13 +37,16 @@ class NTXentLoss(TemperaturePairLoss):
 
     #: a mean of per-anchor (per-pair) terms over the global gallery: exact under DDP with all-reduced counts
     gather_mode = "references"
+    #: anchor_chunk_size: a sum of per-anchor terms over batch-wide counts (losses.chunking)
+    supports_anchor_chunks = True
     label_sets_reason = (
         "label sets are not implemented for it yet (its definition only asks which pairs are positive, so it could "
         "take them: see docs/losses/README.md)"
     )
 
-    def __init__(self, temperature: float = 0.1) -> None:
+    def __init__(self, temperature: float = 0.1, anchor_chunk_size: int | None = None) -> None:
         super().__init__(temperature)
+        self.set_anchor_chunk_size(anchor_chunk_size)
 
     def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
         logits = sim / self.temperature

@@ -44,11 +44,14 @@ class SmoothAPLoss(TemperaturePairLoss):
 
     #: a mean of per-anchor (per-pair) terms over the global gallery: exact under DDP with all-reduced counts
     gather_mode = "references"
+    #: anchor_chunk_size: a sum of per-anchor terms over batch-wide counts (losses.chunking)
+    supports_anchor_chunks = True
     #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
     supports_label_sets = True
 
-    def __init__(self, temperature: float = 0.01) -> None:
+    def __init__(self, temperature: float = 0.01, anchor_chunk_size: int | None = None) -> None:
         super().__init__(temperature)
+        self.set_anchor_chunk_size(anchor_chunk_size)
 
     def compute(self, anchors: Tensor, labels: Tensor, gallery: Tensor | None, gallery_labels: Tensor) -> Tensor:
         sim = similarity_matrix(anchors, anchors if gallery is None else gallery)

@@ -41,11 +41,14 @@ class SupConLoss(TemperaturePairLoss):
 
     #: a mean of per-anchor (per-pair) terms over the global gallery: exact under DDP with all-reduced counts
     gather_mode = "references"
+    #: anchor_chunk_size: a sum of per-anchor terms over batch-wide counts (losses.chunking)
+    supports_anchor_chunks = True
     #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
     supports_label_sets = True
 
-    def __init__(self, temperature: float = 0.1) -> None:
+    def __init__(self, temperature: float = 0.1, anchor_chunk_size: int | None = None) -> None:
         super().__init__(temperature)
+        self.set_anchor_chunk_size(anchor_chunk_size)
 
     def _has_closed_form(self) -> bool:
         return True

@@ -43,11 +43,18 @@ class TripletLoss(PairLoss):
 
     #: under DDP: anchors scored against the gathered batch, batch-wide reductions (losses.base)
     gather_mode = "references"
+    #: anchor_chunk_size: a sum of per-anchor terms over batch-wide counts (losses.chunking)
+    supports_anchor_chunks = True
     #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
     supports_label_sets = True
 
     def __init__(
-        self, margin: float = 0.1, mining: str = "all", squared: bool = False, reduction: str = "mean_nonzero"
+        self,
+        margin: float = 0.1,
+        mining: str = "all",
+        squared: bool = False,
+        reduction: str = "mean_nonzero",
+        anchor_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         if margin < 0:
@@ -57,6 +64,7 @@ class TripletLoss(PairLoss):
         if reduction not in _REDUCTIONS:
             raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
         self.margin, self.mining, self.squared, self.reduction = float(margin), mining, squared, reduction
+        self.set_anchor_chunk_size(anchor_chunk_size)
 
     def extra_repr(self) -> str:
         return f"margin={self.margin}, mining={self.mining!r}, squared={self.squared}, reduction={self.reduction!r}"
