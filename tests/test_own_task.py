@@ -44,10 +44,11 @@ def test_format_metrics_splits_overall_and_per_category():
     assert per_category == {"shoes": {"recall@1": 0.25, "precision@10": 0.125}, "a/b": {"recall@1": 1.0}}
     table, categories = format_metrics(values)
     rows = {line.split()[0]: line.split()[1:] for line in table.splitlines()[1:]}
-    assert rows == {"recall@1": ["50.0"], "threshold@fmr=0.01": ["0.7123"], "fnmr@fmr=0.01": ["30.0"]}  # a score, not %
+    # rates in percent (two decimals), the threshold as the score it is
+    assert rows == {"recall@1": ["50.00"], "threshold@fmr=0.01": ["0.7123"], "fnmr@fmr=0.01": ["30.00"]}
     lines = categories.splitlines()
     assert lines[0].split() == ["category", "recall@1", "precision@10"]
-    assert lines[1].split() == ["shoes", "25.0", "12.5"] and lines[2].split() == ["a/b", "100.0", "-"]
+    assert lines[1].split() == ["shoes", "25.00", "12.50"] and lines[2].split() == ["a/b", "100.00", "-"]
     assert format_metrics({"recall@1": 0.5})[1] is None
 
 

@@ -3,28 +3,16 @@ metrics of ``validate`` and ``test`` as one table)."""
 
 from __future__ import annotations
 
-import math
-
 import pytorch_lightning as pl
 from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_dml.callbacks.retrieval import RetrievalComparison
+from lightning_dml.metrics_format import format_metric
 
 __all__ = ["ValidationSummary", "format_metrics", "split_categories"]
 
 #: the prefix of the per-category metric keys (``category/<name>/<metric>``, see ``docs/metrics.md``)
 CATEGORY_PREFIX = "category/"
-
-
-def _is_percent(metric: str) -> bool:
-    """Rates are shown in percent; ``threshold@fmr=F`` is a score (a cosine similarity), shown as it is."""
-    return not metric.startswith("threshold@")
-
-
-def _cell(metric: str, value: float, width: int) -> str:
-    if not math.isfinite(value):
-        return f"{value:>{width}}"
-    return f"{100 * value:>{width}.1f}" if _is_percent(metric) else f"{value:>{width}.4f}"
 
 
 def split_categories(values: dict[str, float]) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
@@ -45,12 +33,13 @@ def format_metrics(values: dict[str, float]) -> tuple[str, str | None]:
     """``(overall table, per-category table or None)`` of a stage's metrics (keys without the stage prefix).
 
     The overall table has one row per metric (``name  value``); the per-category table one row per category and
-    one column per metric, in the order the metrics come. Rates in percent with one decimal, ``threshold@fmr=F``
-    as the score it is (4 decimals)."""
+    one column per metric, in the order the metrics come. Values as every command prints them
+    (:func:`lightning_dml.metrics_format.format_metric`: rates in percent with two decimals, ``threshold@fmr=F`` as
+    the score it is, four decimals)."""
     overall, per_category = split_categories(values)
     name_width = max((len(n) for n in overall), default=0) + 2
     lines = [f"{'':<{name_width}}{'value':>10}"]
-    lines += [f"{name:<{name_width}}{_cell(name, value, 10)}" for name, value in overall.items()]
+    lines += [f"{name:<{name_width}}{format_metric(name, value, 10)}" for name, value in overall.items()]
     if not per_category:
         return "\n".join(lines), None
     metrics = list(dict.fromkeys(m for row in per_category.values() for m in row))
@@ -58,7 +47,7 @@ def format_metrics(values: dict[str, float]) -> tuple[str, str | None]:
     row_width = max(len("category"), *(len(n) for n in per_category)) + 2
     table = [f"{'category':<{row_width}}" + "".join(f"{m:>{w}}" for m, w in zip(metrics, widths))]
     for name, row in per_category.items():
-        cells = (_cell(m, row[m], w) if m in row else f"{'-':>{w}}" for m, w in zip(metrics, widths))
+        cells = (format_metric(m, row[m], w) if m in row else f"{'-':>{w}}" for m, w in zip(metrics, widths))
         table.append(f"{name:<{row_width}}" + "".join(cells))
     return "\n".join(lines), "\n".join(table)
 

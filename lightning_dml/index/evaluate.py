@@ -12,6 +12,9 @@ index folder:
   non-relevant entries where the index returns fewer results;
 * the index's search time (seconds, all queries; a measurement of this machine, not a result).
 
+:func:`format_table` prints the rates in percent with two decimals, as every command does
+(:mod:`lightning_dml.metrics_format`); ``--format json`` keeps the fractions.
+
 Queries: without ``queries`` every gallery item is a query against the others (leave-one-out, the metrics'
 all-vs-all mode: the item itself is dropped from its index results); with ``queries`` (embeddings of the index's
 model and their labels) they are ranked against the whole gallery. Every gallery item (and query) needs a label.
@@ -32,6 +35,7 @@ from torch import Tensor
 from lightning_dml.errors import UserInputError
 from lightning_dml.index.index import EmbeddingIndex
 from lightning_dml.metrics import functional as MF
+from lightning_dml.metrics_format import format_metric
 
 __all__ = ["EvaluationError", "evaluate_index", "format_table"]
 
@@ -144,15 +148,16 @@ def evaluate_index(
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """The evaluation as a text table: one row per ranking, Recall@K, MAP@R, the index's neighbour recall@k."""
+    """The evaluation as a text table: one row per ranking, Recall@K, MAP@R, the index's neighbour recall@k; values
+    as every command prints them (:func:`lightning_dml.metrics_format.format_metric`: percent, two decimals)."""
     rows = result["rows"]
     metrics = list(next(iter(rows.values())))
-    nr = f"nbr recall@{result['k']}"
+    nr = f"neighbour_recall@{result['k']}"
     header = ["ranking", *metrics, nr]
     lines = []
     for name, values in rows.items():
-        extra = f"{result['neighbour_recall@k']:.4f}" if name.startswith("index") else ""
-        lines.append([name, *(f"{values[m]:.4f}" for m in metrics), extra])
+        extra = format_metric(nr, result["neighbour_recall@k"]) if name.startswith("index") else ""
+        lines.append([name, *(format_metric(m, values[m]) for m in metrics), extra])
     widths = [max(len(str(row[c])) for row in [header, *lines]) for c in range(len(header))]
     text = [" | ".join(str(cell).ljust(w) for cell, w in zip(row, widths)) for row in [header, *lines]]
     text.insert(1, "-+-".join("-" * w for w in widths))

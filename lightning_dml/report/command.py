@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from lightning_dml.errors import UserInputError
+from lightning_dml.metrics_format import format_metrics_line
 from lightning_dml.report.folder import check_report_folder, claim_report_folder
 from lightning_dml.report.thumbnails import FORMATS, image_source
 from lightning_dml.report.writer import Report, write_report
@@ -228,7 +229,7 @@ def main(argv: Sequence[str]) -> Report | None:
         title=options.title or f"Retrieval report: {out.resolve().name}", source=source, overwrite=options.overwrite,
     )
     seconds = time.perf_counter() - start
-    metrics = ", ".join(f"{k} {100 * v:.2f}" for k, v in report.metrics.items())
+    metrics = format_metrics_line(report.metrics)
     print(f"lightning-dml report: {report.index} ({report.queries} queries on {report.pages} pages, "
           f"{report.thumbnails_written} thumbnails written, {report.thumbnails_reused} reused; {seconds:.1f} s)\n"
           f"  {metrics}")
