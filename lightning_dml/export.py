@@ -322,33 +322,18 @@ def export_checkpoint(
     formats: Sequence[str] = DEFAULT_FORMATS,
     batch_size: int = 2,
 ) -> dict[str, Path]:
-    """Export the embedding model of a ``lightning-dml`` checkpoint, rebuilt from the run's config.
+    """Export the embedding model of a ``lightning-dml`` checkpoint, rebuilt from the run's config (the
+    ``config.yaml`` that ``fit`` saves, or the config given to ``fit``: :func:`lightning_dml.run_model.load_run_model`).
 
     The example input is a batch of ``batch_size`` images from the data module's test split (so the shapes and
     preprocessing are the real ones).
     """
-    import yaml
+    from lightning_dml.run_model import load_run_model
 
-    from lightning_dml.checkpoints import local_checkpoint, read_checkpoint
-    from lightning_dml.cli import build_cli
-
-    with open(config) as f:
-        cfg: dict[str, Any] = yaml.safe_load(f)
-    if not isinstance(cfg, dict) or "model" not in cfg or "data" not in cfg:
-        raise ValueError(f"{config} is not a lightning-dml config (it needs `model` and `data` sections)")
-    cfg.pop("ckpt_path", None)  # a `fit` option, not a model setting
-    backbone_args = (cfg["model"].get("backbone") or {}).get("init_args") if isinstance(cfg["model"], dict) else None
-    if isinstance(backbone_args, dict) and "pretrained" in backbone_args:
-        backbone_args["pretrained"] = False  # the checkpoint holds the weights: no download, no cache needed
-    cfg["trainer"] = {"logger": False, "enable_checkpointing": False, "accelerator": "cpu", "devices": 1}
-    cli = build_cli(["--config", yaml.safe_dump(cfg)], run=False)
-    checkpoint = read_checkpoint(local_checkpoint(ckpt_path), what="--ckpt_path")  # tensors and plain data only
-    cli.model.load_state_dict(checkpoint["state_dict"])
-    datamodule = cli.datamodule
-    datamodule.adopt_input_spec(cli.model)  # no trainer sets it up here: feed the backbone's input convention
+    module, datamodule, _ = load_run_model(config, ckpt_path)
     datamodule.setup("test")
     images = next(iter(datamodule.test_dataloader()))[0][:batch_size]
-    return export_embedding_model(cli.model, directory, images, formats)
+    return export_embedding_model(module, directory, images, formats)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

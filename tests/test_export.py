@@ -172,3 +172,47 @@ def test_export_feeds_the_backbone_its_input_convention(tmp_path):
     with pytest.warns(UserWarning, match="differs from the copy the papers use"):
         paths = export_checkpoint(tmp_path / "config.yaml", tmp_path / "last.ckpt", tmp_path / "out", ["state_dict"])
     assert torch.load(paths["state_dict"], weights_only=True)["input_shape"] == [1, 16, 16]
+
+
+def saved_config(command: str, config: dict, tmp_path: Path, capsys) -> Path:
+    """The config ``lightning-dml <command>`` saves for ``config`` (LightningCLI's ``--print_config`` prints the
+    dump its SaveConfigCallback writes: every option of the command, ``ckpt_path`` and ``weights_only`` included)."""
+    from lightning_dml.cli import build_cli
+
+    (tmp_path / "given.yaml").write_text(yaml.safe_dump(config))
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli([command, "--config", str(tmp_path / "given.yaml"), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    path = tmp_path / f"config_{command}.yaml"
+    path.write_text(capsys.readouterr().out)
+    return path
+
+
+@pytest.mark.parametrize("command", ["fit", "test"])
+def test_export_and_index_accept_the_config_a_command_saves(command, tmp_path, tmp_path_factory, capsys):
+    """Issue 27 s.2: the config.yaml `fit` saves (and a `test`'s config_test.yaml) holds the command's own options
+    (`ckpt_path`, `weights_only`, `verbose`); `python -m lightning_dml.export --config` and `index build --config`
+    stopped on them with "Option 'weights_only' is not accepted"."""
+    from lightning_dml.index.embed import load_checkpoint_model
+
+    glyph_cache.install(tmp_path_factory.getbasetemp() / glyph_cache.FILENAME)
+    config = {
+        "model": {
+            "backbone": {"class_path": "lightning_dml.models.SmallConvNet", "init_args": {"width": 4}},
+            "embedding_dim": 8,
+            "clustering": False,
+        },
+        "data": {"class_path": "lightning_dml.data.GlyphsDataModule", "init_args": {"image_size": 16}},
+    }
+    path = saved_config(command, config, tmp_path, capsys)
+    assert "weights_only" in yaml.safe_load(path.read_text())  # what made both commands fail
+    torch.manual_seed(2)
+    module = DMLModule(SmallConvNet(width=4), embedding_dim=8, clustering=False).eval()
+    torch.save({"state_dict": module.state_dict(), "pytorch-lightning_version": "2.6.0"}, tmp_path / "last.ckpt")
+    paths = export_checkpoint(path, tmp_path / "last.ckpt", tmp_path / "out", ["safetensors"])
+    images = torch.randn(3, 1, 16, 16)
+    with torch.no_grad():
+        assert torch.equal(load_embedding_model(paths["safetensors"])(images), module(images))
+        loaded, _, _ = load_checkpoint_model(path, tmp_path / "last.ckpt")  # what `index build --config` reads
+        assert torch.equal(loaded(images), module(images))

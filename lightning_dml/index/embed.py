@@ -16,10 +16,8 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import tempfile
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,6 @@ from PIL import Image
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from lightning_dml.checkpoints import CheckpointMismatchError, checkpoint_record, local_checkpoint, read_checkpoint
 from lightning_dml.data.image_list import ImageListDataset, collate_skipping, load_image
 from lightning_dml.data.transforms import default_resize_size, eval_transform
 from lightning_dml.errors import UserInputError
@@ -52,56 +49,11 @@ def embedding_metric(module: Any) -> str:
 
 def load_checkpoint_model(config: str | os.PathLike, ckpt_path: str | os.PathLike) -> tuple[Any, Any, dict | None]:
     """``(module, datamodule, checkpoint record)``: the config's model (in eval mode) with the checkpoint's weights,
-    and its data module with the backbone's input spec adopted (not set up: no dataset is read)."""
-    import yaml
+    and its data module with the backbone's input spec adopted (not set up: no dataset is read). The config is the
+    one ``fit`` saves or the one given to ``fit`` (:func:`lightning_dml.run_model.load_run_model`)."""
+    from lightning_dml.run_model import load_run_model
 
-    from lightning_dml.cli import build_cli
-
-    config = Path(config)
-    if not config.is_file():
-        raise UserInputError(f"--config {config} does not exist")
-    try:
-        cfg = yaml.safe_load(config.read_text())
-    except yaml.YAMLError as error:
-        raise UserInputError(f"--config {config} is not YAML: {error}") from None
-    if not isinstance(cfg, dict) or "model" not in cfg or "data" not in cfg:
-        raise UserInputError(f"--config {config} is not a lightning-dml config (it needs `model` and `data` sections)")
-    ckpt_path = local_checkpoint(ckpt_path, what="--ckpt_path")  # an http(s) URL: its downloaded copy
-    checkpoint = read_checkpoint(ckpt_path, what="--ckpt_path")
-    cfg = copy.deepcopy(cfg)
-    cfg.pop("ckpt_path", None)
-    backbone_args = (cfg["model"].get("backbone") or {}).get("init_args") if isinstance(cfg["model"], dict) else None
-    if isinstance(backbone_args, dict) and "pretrained" in backbone_args:
-        backbone_args["pretrained"] = False  # the checkpoint holds the weights: no download
-    cfg["trainer"] = {"logger": False, "enable_checkpointing": False, "accelerator": "cpu", "devices": 1}
-    cfg["seed_everything"] = False  # nothing random: no "seed set" lines
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")  # argv is `index build ...`
-        cli = build_cli(["--config", yaml.safe_dump(cfg)], run=False)
-    module = cli.model
-    hparams = checkpoint.get("hyper_parameters") or {}
-    if hparams.get("loss_sizes"):
-        module._apply_loss_sizes(hparams["loss_sizes"])  # noqa: SLF001 - the library's own module
-    missing, unexpected = [], []
-    try:
-        result = module.load_state_dict(checkpoint["state_dict"], strict=False)
-        missing, unexpected = list(result.missing_keys), list(result.unexpected_keys)
-    except RuntimeError as error:
-        first = str(error).split("\n\t", 2)[1] if "\n\t" in str(error) else str(error)
-        raise CheckpointMismatchError(
-            f"--ckpt_path {ckpt_path} does not fit the model of --config {config}: {first.strip()} (give the config "
-            "the run was trained with: lightning-dml saves it as config.yaml beside the logs)"
-        ) from None
-    model_keys = [k for k in missing if k.startswith(("backbone.", "head."))]
-    if model_keys or [k for k in unexpected if k.startswith(("backbone.", "head."))]:
-        raise CheckpointMismatchError(
-            f"--ckpt_path {ckpt_path} does not fit the model of --config {config}: missing weights "
-            f"{model_keys[:3]}, unexpected weights {unexpected[:3]}"
-        )
-    module.eval()
-    datamodule = cli.datamodule
-    datamodule.adopt_input_spec(module)
-    return module, datamodule, checkpoint_record(ckpt_path)
+    return load_run_model(config, ckpt_path)
 
 
 def preprocessing(module: Any, datamodule: Any) -> tuple[InputSpec, dict[str, Any]]:

@@ -1,0 +1,123 @@
+"""The model of a run, rebuilt outside a ``lightning-dml`` command from the config the run saved and a checkpoint.
+
+What ``python -m lightning_dml.export`` and ``lightning-dml index build`` read: the ``config.yaml`` that ``fit``
+saves (or the config file given to ``fit``) and one of its checkpoints.
+
+* :func:`read_run_config`: the config file as a dict, one :class:`~lightning_dml.errors.UserInputError` naming
+  the file when it is missing, not YAML or not a lightning-dml config;
+* :func:`run_config_cli`: the CLI of that config without a subcommand (model and data module instantiated, no
+  trainer run). The options of a command rather than of the run, which ``fit`` saves beside the model
+  (``ckpt_path``, ``weights_only``, and ``verbose``, ``return_predictions`` in a ``test`` or ``predict`` config:
+  the arguments of the ``Trainer`` methods, :data:`COMMAND_OPTIONS`), are dropped, and so is the trainer: CPU, no
+  logger, no checkpointing;
+* :func:`load_run_model`: the config's model in eval mode with the checkpoint's weights (read safely,
+  :func:`~lightning_dml.checkpoints.read_checkpoint`; another architecture or width is one
+  :class:`~lightning_dml.checkpoints.CheckpointMismatchError`), and its data module with the backbone's input
+  spec adopted (not set up: no dataset is read).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+from lightning_dml.errors import UserInputError
+
+__all__ = ["COMMAND_OPTIONS", "load_run_model", "read_run_config", "run_config_cli"]
+
+
+def _command_options() -> frozenset[str]:
+    from pytorch_lightning import Trainer
+
+    objects = {"self", "model", "datamodule", "dataloaders", "train_dataloaders", "val_dataloaders"}
+    return frozenset(
+        name
+        for method in (Trainer.fit, Trainer.validate, Trainer.test, Trainer.predict)
+        for name in inspect.signature(method).parameters
+        if name not in objects
+    )
+
+
+#: top-level keys of a saved config that are options of the command (``Trainer.fit``/``validate``/``test``/
+#: ``predict`` arguments such as ``ckpt_path`` and ``weights_only``), not of the run's model and data
+COMMAND_OPTIONS: frozenset[str] = _command_options()
+
+
+def read_run_config(config: str | os.PathLike) -> dict[str, Any]:
+    """The run config at ``config`` (``fit``'s saved ``config.yaml`` or the file given to ``fit``)."""
+    import yaml
+
+    path = Path(config)
+    if not path.is_file():
+        raise UserInputError(f"--config {path} does not exist")
+    try:
+        cfg = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise UserInputError(f"--config {path} is not YAML: {error}") from None
+    if not isinstance(cfg, dict) or "model" not in cfg or "data" not in cfg:
+        raise UserInputError(f"--config {path} is not a lightning-dml config (it needs `model` and `data` sections)")
+    return cfg
+
+
+def run_config_cli(cfg: dict[str, Any]) -> Any:
+    """The :class:`~lightning_dml.cli.DMLCLI` of run config ``cfg`` without a subcommand: model and data module
+    instantiated, on the CPU, no logger, no checkpointing, no seed set; a pretrained backbone is not downloaded
+    (the checkpoint holds its weights)."""
+    import yaml
+
+    from lightning_dml.cli import build_cli
+
+    cfg = {k: v for k, v in copy.deepcopy(cfg).items() if k not in COMMAND_OPTIONS}
+    backbone_args = (cfg["model"].get("backbone") or {}).get("init_args") if isinstance(cfg["model"], dict) else None
+    if isinstance(backbone_args, dict) and "pretrained" in backbone_args:
+        backbone_args["pretrained"] = False  # the checkpoint holds the weights: no download, no cache needed
+    cfg["trainer"] = {"logger": False, "enable_checkpointing": False, "accelerator": "cpu", "devices": 1}
+    cfg["seed_everything"] = False  # nothing random: no "seed set" lines
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")  # argv is another command's
+        return build_cli(["--config", yaml.safe_dump(cfg)], run=False)
+
+
+def load_run_model(config: str | os.PathLike, ckpt_path: str | os.PathLike) -> tuple[Any, Any, dict | None]:
+    """``(module, datamodule, checkpoint record)``: the model of run config ``config`` (in eval mode) with the
+    weights of ``ckpt_path`` (a file or an http(s) URL), and its data module with the backbone's input spec
+    adopted (not set up: no dataset is read)."""
+    from lightning_dml.checkpoints import (
+        CheckpointMismatchError,
+        checkpoint_record,
+        local_checkpoint,
+        read_checkpoint,
+    )
+
+    cfg = read_run_config(config)
+    ckpt_path = local_checkpoint(ckpt_path, what="--ckpt_path")  # an http(s) URL: its downloaded copy
+    checkpoint = read_checkpoint(ckpt_path, what="--ckpt_path")
+    cli = run_config_cli(cfg)
+    module = cli.model
+    hparams = checkpoint.get("hyper_parameters") or {}
+    if hparams.get("loss_sizes"):
+        module._apply_loss_sizes(hparams["loss_sizes"])  # noqa: SLF001 - the library's own module
+    missing, unexpected = [], []
+    try:
+        result = module.load_state_dict(checkpoint["state_dict"], strict=False)
+        missing, unexpected = list(result.missing_keys), list(result.unexpected_keys)
+    except RuntimeError as error:
+        first = str(error).split("\n\t", 2)[1] if "\n\t" in str(error) else str(error)
+        raise CheckpointMismatchError(
+            f"--ckpt_path {ckpt_path} does not fit the model of --config {config}: {first.strip()} (give the config "
+            "the run was trained with: lightning-dml saves it as config.yaml beside the logs)"
+        ) from None
+    model_keys = [k for k in missing if k.startswith(("backbone.", "head."))]
+    if model_keys or [k for k in unexpected if k.startswith(("backbone.", "head."))]:
+        raise CheckpointMismatchError(
+            f"--ckpt_path {ckpt_path} does not fit the model of --config {config}: missing weights "
+            f"{model_keys[:3]}, unexpected weights {unexpected[:3]}"
+        )
+    module.eval()
+    datamodule = cli.datamodule
+    datamodule.adopt_input_spec(module)
+    return module, datamodule, checkpoint_record(ckpt_path)
