@@ -130,11 +130,11 @@ def test_evaluate_reports_exact_and_index_in_one_table(fixture, tmp_path):
     code, out, err = _main_capture(["index", "evaluate", "--index", str(fixture["flat"]), "--k", "4"])
     assert code == 0, err
     lines = out.splitlines()
-    assert lines[0].split(" | ")[0].strip() == "ranking" and "map@r" in lines[0] and "nbr recall@4" in lines[0]
+    assert lines[0].split(" | ")[0].strip() == "ranking" and "map@r" in lines[0] and "neighbour_recall@4" in lines[0]
     exact = lines[2].split("|")
     flat = lines[3].split("|")
     assert exact[0].strip() == "exact" and flat[0].strip() == "index (flat)"
-    assert [v.strip() for v in exact[1:-1]] == [v.strip() for v in flat[1:-1]] and flat[-1].strip() == "1.0000"
+    assert [v.strip() for v in exact[1:-1]] == [v.strip() for v in flat[1:-1]] and flat[-1].strip() == "100.00"
     shutil.copytree(fixture["gallery"] / "class2", tmp_path / "queries" / "class2")  # labelled: class folders
     code, out, err = _main_capture(["index", "evaluate", "--index", str(fixture["flat"]), "--format", "json",
                                     "--queries", str(tmp_path / "queries")])
