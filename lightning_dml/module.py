@@ -8,6 +8,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.utilities import rank_zero_warn
 from pytorch_lightning.cli import LRSchedulerCallable, OptimizerCallable
 from pytorch_lightning.strategies import DDPStrategy, SingleDeviceStrategy
 from pytorch_lightning.trainer.states import TrainerFn
@@ -15,6 +16,7 @@ from torch import nn
 
 from lightning_dml.checkpoints import CheckpointMismatchError, checkpoint_record, hparams_disagreements
 from lightning_dml.checks import check_fit_combination, check_gather_combination, check_training_batch
+from lightning_dml.gradient_cache import batch_statistics_layers, check_chunk_size, chunked_embeddings
 from lightning_dml.losses import build_loss
 from lightning_dml.losses.distributed import gathered_loss
 from lightning_dml.metrics import RetrievalMetrics, progress_bars
@@ -44,6 +46,9 @@ def _needs_sizes(loss: nn.Module) -> bool:
 #: hyper-parameters derived from the data, not settings (``None``: fill in): compared with a checkpoint's by the
 #: losses themselves
 DERIVED_HPARAMS = ("loss_sizes",)
+
+#: hyper-parameters that change how a step is computed, not what it computes: a run may resume with other values
+EXECUTION_HPARAMS = ("embedding_chunk_size",)
 
 
 def _describe_backbone(backbone: nn.Module) -> str:
@@ -134,6 +139,15 @@ class DMLModule(pl.LightningModule):
             grouping gives norms, biases, position embeddings and class/register tokens no weight decay (the other
             backbone parameters keep the optimizer's). ``1.0``: that weight-decay split without lr decay.
             ``None``: one backbone group.
+        embedding_chunk_size: gradient caching (Gao et al., RepL4NLP 2021; :mod:`lightning_dml.gradient_cache`,
+            ``docs/memory.md``): the training batch is embedded in chunks of this many images whose activations
+            are not kept, the loss and its gradient w.r.t. the embeddings are computed over the whole batch (the
+            gathered global batch with ``gather_distributed``), then each chunk is embedded again with its graph
+            (same dropout / drop-path draws) and back-propagates its rows' gradients. Activation memory is that of
+            one chunk, for one more forward per step; loss and gradients equal the unchunked step, except with
+            BatchNorm layers that train (they normalise by each chunk's statistics: use ``freeze_bn`` and a
+            ``head_norm`` other than ``"batch"``; a warning says so when fit starts). ``None``: off. Evaluation is
+            not chunked. A run may resume with another value.
 
     Losses with parameters (:class:`~lightning_dml.losses.ProxyLoss`: Proxy-Anchor, ArcFace, ...): a config may
     leave out their ``num_classes`` and ``embedding_dim``; ``setup("fit")`` fills them in from the data module's
@@ -173,6 +187,7 @@ class DMLModule(pl.LightningModule):
         layer_decay: float | None = None,
         loss_sizes: dict[str, int] | None = None,
         metrics: Sequence[str] = (),
+        embedding_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["backbone", "loss", "optimizer", "lr_scheduler"])
@@ -199,6 +214,7 @@ class DMLModule(pl.LightningModule):
                     f"layer_decay needs a timm backbone (lightning_dml.models.TimmBackbone) whose layers timm can "
                     f"group; {type(backbone).__name__} is not one"
                 )
+        self.embedding_chunk_size = check_chunk_size(embedding_chunk_size)
         self.layer_decay = layer_decay
         self.backbone = backbone
         self.fusion = fusion
@@ -349,7 +365,9 @@ class DMLModule(pl.LightningModule):
         where = f"checkpoint {trainer.ckpt_path}" if trainer is not None and trainer.ckpt_path else "the checkpoint"
         hparams = checkpoint.get("hyper_parameters") or {}
         if trainer is not None:
-            keys = [k for k in hparams if not k.startswith("_") and k not in DERIVED_HPARAMS]
+            keys = [
+                k for k in hparams if not k.startswith("_") and k not in DERIVED_HPARAMS + EXECUTION_HPARAMS
+            ]
             disagreements = hparams_disagreements(hparams, dict(self.hparams), keys=keys)
             if disagreements:
                 details = "; ".join(
@@ -433,6 +451,23 @@ class DMLModule(pl.LightningModule):
     def on_fit_start(self) -> None:
         self._log_checkpoint()
         self._fit_started = True
+        self._warn_chunked_batch_norm()
+
+    def _warn_chunked_batch_norm(self) -> None:
+        """With ``embedding_chunk_size``, warn once when BatchNorm layers train (they see chunk statistics)."""
+        if self.embedding_chunk_size is None:
+            return
+        was_training = self.training
+        self.train()  # the modes training will use (frozen BatchNorm stays in eval mode)
+        layers = batch_statistics_layers(self.backbone) + batch_statistics_layers(self.head)
+        self.train(was_training)
+        if layers:
+            rank_zero_warn(
+                f"embedding_chunk_size={self.embedding_chunk_size} with {len(layers)} BatchNorm layer(s) in training "
+                "mode: each chunk is normalised by its own statistics, so the loss and gradients are not those of "
+                "the unchunked batch (running statistics are updated once per chunk); for an exact step use "
+                "freeze_bn=True and head_norm 'none' or 'layer'"
+            )
 
     def on_validation_start(self) -> None:
         if self.trainer.state.fn == TrainerFn.VALIDATING:
@@ -489,17 +524,21 @@ class DMLModule(pl.LightningModule):
         batch_size = labels.shape[0]
         labels = self._class_indices(labels)
         if self.fusion == "per_level":
-            embeddings = self.embed_levels(images)
+            embeddings = self._training_embeddings(self.embed_levels, images)
             losses = self.trained_losses() if self.level_losses is not None else [self.loss] * len(embeddings)
             level_losses = [self._pair_loss(e, labels, f) for e, f in zip(embeddings, losses)]
             for name, value in zip(self.backbone.level_names, level_losses):
                 self.log(f"train/loss_{name}", value, batch_size=batch_size, sync_dist=self.gather_distributed)
             loss = torch.stack(level_losses).sum()
         else:
-            loss = self._pair_loss(self(images), labels)
+            loss = self._pair_loss(self._training_embeddings(self, images), labels)
         # with gather_distributed the processes' values average to the global-batch loss (losses.distributed)
         self.log("train/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=self.gather_distributed)
         return loss
+
+    def _training_embeddings(self, embed: Any, images: torch.Tensor) -> Any:
+        """``embed(images)``, in chunks of ``embedding_chunk_size`` with gradient caching when it is set."""
+        return chunked_embeddings(embed, images, self.embedding_chunk_size, self)
 
     # ------------------------------------------------------------------ training tricks
     def _backbone_bn_modules(self) -> list[nn.Module]:
