@@ -23,6 +23,11 @@ default, the program formats when asked for with ``--formats``):
 trust. :func:`load_embedding_model` refuses them unless called with ``trust_code=True``, and no command of the
 library that reads a shared folder (an index, a report) loads them.
 
+Beside the weights, ``input_spec.json`` says how to preprocess an image for the model
+(:func:`preprocessing_record`: the backbone's :class:`~lightning_dml.models.input_spec.InputSpec` (channel order,
+value scale, mean, std), the evaluation transform's resize and crop sizes, the input shape, and that the outputs
+are raw, not L2-normalised); docs/models.md shows the lines that use it in plain PyTorch.
+
 The exported function maps images ``[B, C, H, W]`` (preprocessed as in training: the data module's
 normalisation) to **raw** embeddings ``[B, D]``, as ``DMLModule.forward`` does; L2-normalise them for cosine
 retrieval, as the metrics do. Every file is written under a temporary name and renamed when complete, so an
@@ -53,6 +58,8 @@ SAFETENSORS = "embedding_model.safetensors"
 STATE_DICT = "embedding_state_dict.pt"
 TORCHSCRIPT = "embedding_torchscript.pt"
 TORCH_EXPORT = "embedding_exported.pt2"
+#: the preprocessing the model expects (JSON), written beside the weights: see :func:`preprocessing_record`
+INPUT_SPEC = "input_spec.json"
 FORMATS = ("safetensors", "state_dict", "torchscript", "torch_export")
 #: what ``python -m lightning_dml.export`` writes without ``--formats``: the formats that load without running code
 DEFAULT_FORMATS = ("safetensors", "state_dict")
@@ -202,6 +209,34 @@ def load_safe_embedding_model(path: str | os.PathLike) -> EmbeddingModel:
     return model
 
 
+def preprocessing_record(
+    spec: Any, preprocess: dict[str, Any], input_shape: Sequence[int], embedding_dim: int, metric: str
+) -> dict[str, Any]:
+    """The content of ``input_spec.json``: how an image becomes the model's input, and what comes out.
+
+    ``{"format": 1, "input_spec": {color, scale, mean, std, crop_size, resize_size, interpolation, crop_pct},
+    "mode": "L"|"RGB", "resize_size", "crop_size", "input_shape": [C, H, W], "embedding_dim", "normalized": false,
+    "metric"}``: open the image in ``mode``, resize its shorter side to ``resize_size`` (``interpolation``,
+    antialiased), centre-crop ``crop_size``, scale pixels to ``[0, scale]``, put the channels in ``color`` order,
+    subtract ``mean`` and divide by ``std`` (:func:`~lightning_dml.data.transforms.eval_transform` does exactly
+    this). The outputs are raw embeddings (``normalized`` false): L2-normalise them when ``metric`` is cosine.
+    ``input_spec.crop_size``/``resize_size`` are the backbone's nominal sizes; the top-level ones are what the
+    model was evaluated with."""
+    import dataclasses
+
+    return {
+        "format": 1,
+        "input_spec": dataclasses.asdict(spec),
+        "mode": str(preprocess["mode"]),
+        "resize_size": int(preprocess["resize_size"]),
+        "crop_size": int(preprocess["crop_size"]),
+        "input_shape": [int(v) for v in input_shape],
+        "embedding_dim": int(embedding_dim),
+        "normalized": False,
+        "metric": str(metric),
+    }
+
+
 def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")  # the suffix torch.export expects
     try:
@@ -217,8 +252,10 @@ def export_embedding_model(
     directory: str | os.PathLike,
     example_input: torch.Tensor,
     formats: Sequence[str] = DEFAULT_FORMATS,
+    preprocess: tuple[Any, dict[str, Any]] | None = None,
 ) -> dict[str, Path]:
-    """Write the embedding model of ``module`` to ``directory`` in each of ``formats``.
+    """Write the embedding model of ``module`` to ``directory`` in each of ``formats``, and its preprocessing
+    (``input_spec.json``, :func:`preprocessing_record`) when it is known.
 
     Args:
         module: a trained ``DMLModule``.
@@ -227,9 +264,13 @@ def export_embedding_model(
             TorchScript and ``torch.export`` (whose batch dimension is dynamic).
         formats: any of ``"safetensors"``, ``"state_dict"``, ``"torchscript"``, ``"torch_export"`` (the last two
             run code when loaded: see the module docstring).
+        preprocess: ``(InputSpec, {"crop_size", "resize_size", "mode"})`` of the evaluation transform
+            (:func:`lightning_dml.run_model.preprocessing`). ``None``: the backbone's declared input spec with
+            ``example_input``'s size as the crop and the data modules' default resize; no ``input_spec.json``
+            when the backbone declares none.
 
     Returns:
-        ``{format: path}`` of the files written.
+        ``{format: path}`` of the files written (``"input_spec"``: the preprocessing).
     """
     unknown = [f for f in formats if f not in FORMATS]
     if unknown or not formats:
@@ -279,20 +320,50 @@ def export_embedding_model(
         program = torch.export.export(model, (example,), dynamic_shapes={"images": {0: batch}})
         _atomic_write(out / TORCH_EXPORT, lambda p: torch.export.save(program, str(p)))
         written["torch_export"] = out / TORCH_EXPORT
+    if preprocess is None:
+        preprocess = _declared_preprocessing(module, example)
+    if preprocess is not None:
+        metric = str(getattr(getattr(module, "test_metrics", None), "metric", "cosine"))
+        spec_record = preprocessing_record(preprocess[0], preprocess[1], example.shape[1:], reference.shape[1], metric)
+        text = json.dumps(spec_record, indent=2) + "\n"
+        _atomic_write(out / INPUT_SPEC, lambda p: p.write_text(text))
+        written["input_spec"] = out / INPUT_SPEC
     return written
+
+
+def _declared_preprocessing(module: nn.Module, example: torch.Tensor) -> tuple[Any, dict[str, Any]] | None:
+    """The backbone's declared input spec, cropped to the example's size (``None``: it declares none)."""
+    from lightning_dml.data.transforms import default_resize_size
+    from lightning_dml.models.input_spec import backbone_input_spec
+
+    spec = backbone_input_spec(module)
+    if spec is None:
+        return None
+    crop = int(example.shape[-1])
+    return spec, {"crop_size": crop, "resize_size": default_resize_size(crop, spec),
+                  "mode": "L" if spec.color == "L" else "RGB"}
 
 
 def load_embedding_model(
     path: str | os.PathLike, *, trust_code: bool = False
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """Load an exported embedding model by file name.
+    """Load an exported embedding model by file name, or the safe format of an export folder.
 
+    * a folder (what ``python -m lightning_dml.export --output`` wrote): its ``embedding_model.safetensors``;
     * ``*.safetensors`` (the safe format): rebuilt from its architecture record, tensors only
       (:func:`load_safe_embedding_model`); safe for files from anyone.
     * TorchScript (``.pt``) or ``torch.export`` (``.pt2``): **loading runs code chosen by whoever wrote the file**;
       refused (:class:`UnsafeFormatError`) unless ``trust_code=True``, for files you made yourself.
     """
     path = Path(path)
+    if path.is_dir():
+        if not (path / SAFETENSORS).is_file():
+            found = ", ".join(sorted(p.name for p in path.iterdir())[:6]) or "nothing"
+            raise FileNotFoundError(
+                f"export folder {path} has no {SAFETENSORS} (it holds {found}): export with the default formats, or "
+                "give the file to load"
+            )
+        path = path / SAFETENSORS
     if not path.is_file():
         raise FileNotFoundError(f"no exported model at {path}")
     if path.suffix == ".safetensors":
@@ -328,12 +399,12 @@ def export_checkpoint(
     The example input is a batch of ``batch_size`` images from the data module's test split (so the shapes and
     preprocessing are the real ones).
     """
-    from lightning_dml.run_model import load_run_model
+    from lightning_dml.run_model import load_run_model, preprocessing
 
     module, datamodule, _ = load_run_model(config, ckpt_path)
     datamodule.setup("test")
     images = next(iter(datamodule.test_dataloader()))[0][:batch_size]
-    return export_embedding_model(module, directory, images, formats)
+    return export_embedding_model(module, directory, images, formats, preprocessing(module, datamodule))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -360,6 +431,7 @@ if __name__ == "__main__":
 __all__ = [
     "DEFAULT_FORMATS",
     "FORMATS",
+    "INPUT_SPEC",
     "EmbeddingModel",
     "UnsafeFormatError",
     "architecture_record",
@@ -369,4 +441,5 @@ __all__ = [
     "export_embedding_model",
     "load_embedding_model",
     "load_safe_embedding_model",
+    "preprocessing_record",
 ]

@@ -13,7 +13,10 @@ saves (or the config file given to ``fit``) and one of its checkpoints.
 * :func:`load_run_model`: the config's model in eval mode with the checkpoint's weights (read safely,
   :func:`~lightning_dml.checkpoints.read_checkpoint`; another architecture or width is one
   :class:`~lightning_dml.checkpoints.CheckpointMismatchError`), and its data module with the backbone's input
-  spec adopted (not set up: no dataset is read).
+  spec adopted (not set up: no dataset is read);
+* :func:`preprocessing`: the evaluation preprocessing of the model and its data module (the backbone's
+  :class:`~lightning_dml.models.input_spec.InputSpec`, the crop and resize sizes), what an export folder's
+  ``input_spec.json`` and an index folder's manifest record.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 
 from lightning_dml.errors import UserInputError
 
-__all__ = ["COMMAND_OPTIONS", "load_run_model", "read_run_config", "run_config_cli"]
+__all__ = ["COMMAND_OPTIONS", "load_run_model", "preprocessing", "read_run_config", "run_config_cli"]
 
 
 def _command_options() -> frozenset[str]:
@@ -121,3 +124,16 @@ def load_run_model(config: str | os.PathLike, ckpt_path: str | os.PathLike) -> t
     datamodule = cli.datamodule
     datamodule.adopt_input_spec(module)
     return module, datamodule, checkpoint_record(ckpt_path)
+
+
+def preprocessing(module: Any, datamodule: Any) -> tuple[Any, dict[str, Any]]:
+    """The input spec (the backbone's, else the data module's) and ``{"crop_size", "resize_size", "mode"}`` of the
+    data module's evaluation transform (resize the shorter side, centre crop, convert to the spec)."""
+    from lightning_dml.data.transforms import default_resize_size
+    from lightning_dml.models.input_spec import TORCHVISION_IMAGENET, backbone_input_spec
+
+    spec = backbone_input_spec(module) or getattr(datamodule, "input_spec", None) or TORCHVISION_IMAGENET
+    crop = int(getattr(datamodule, "image_size", None) or spec.crop_size)
+    resize = getattr(datamodule, "resize_size", None)
+    resize = int(resize) if isinstance(resize, int) else default_resize_size(crop, spec)
+    return spec, {"crop_size": crop, "resize_size": resize, "mode": "L" if spec.color == "L" else "RGB"}

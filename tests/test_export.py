@@ -3,6 +3,8 @@ reloaded (the program formats without Lightning; they load only when trusted, te
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,6 +16,7 @@ import yaml
 
 from lightning_dml.export import (
     FORMATS,
+    INPUT_SPEC,
     SAFETENSORS,
     STATE_DICT,
     TORCH_EXPORT,
@@ -49,11 +52,13 @@ def trained(tmp_path_factory):
 
 def test_every_format_is_written_and_nothing_else(trained, tmp_path):
     module, out, paths = trained
-    assert set(paths) == {"safetensors", "state_dict", "torchscript", "torch_export"}
-    assert sorted(p.name for p in out.iterdir()) == sorted([SAFETENSORS, STATE_DICT, TORCHSCRIPT, TORCH_EXPORT])
+    assert set(paths) == {"safetensors", "state_dict", "torchscript", "torch_export", "input_spec"}
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [SAFETENSORS, STATE_DICT, TORCHSCRIPT, TORCH_EXPORT, INPUT_SPEC]
+    )
     # by default only the formats that load without running code
     default = export_embedding_model(module, tmp_path, torch.randn(2, 1, 16, 16))
-    assert set(default) == {"safetensors", "state_dict"}
+    assert set(default) == {"safetensors", "state_dict", "input_spec"}
 
 
 @pytest.mark.slow
@@ -211,8 +216,75 @@ def test_export_and_index_accept_the_config_a_command_saves(command, tmp_path, t
     module = DMLModule(SmallConvNet(width=4), embedding_dim=8, clustering=False).eval()
     torch.save({"state_dict": module.state_dict(), "pytorch-lightning_version": "2.6.0"}, tmp_path / "last.ckpt")
     paths = export_checkpoint(path, tmp_path / "last.ckpt", tmp_path / "out", ["safetensors"])
+    preprocess = json.loads(paths["input_spec"].read_text())  # the data module's evaluation sizes, not the backbone's
+    assert (preprocess["crop_size"], preprocess["resize_size"], preprocess["input_shape"]) == (16, 16, [1, 16, 16])
     images = torch.randn(3, 1, 16, 16)
     with torch.no_grad():
         assert torch.equal(load_embedding_model(paths["safetensors"])(images), module(images))
         loaded, _, _ = load_checkpoint_model(path, tmp_path / "last.ckpt")  # what `index build --config` reads
         assert torch.equal(loaded(images), module(images))
+
+
+def plain_pytorch_lines() -> str:
+    """The python block of docs/models.md that embeds one image from an export folder in plain PyTorch."""
+    text = (Path(__file__).parents[1] / "docs" / "models.md").read_text()
+    blocks = [b for b in re.findall(r"^```python\n(.*?)^```", text, re.M | re.S) if "input_spec.json" in b]
+    assert len(blocks) == 1, "docs/models.md: one python block reading input_spec.json"
+    return blocks[0]
+
+
+def run_plain_pytorch_lines(folder: Path, image, tmp_path: Path, monkeypatch) -> torch.Tensor:
+    work = tmp_path / "user"
+    work.mkdir()
+    (work / "exported").symlink_to(folder)
+    image.save(work / "query.png")
+    monkeypatch.chdir(work)
+    namespace: dict = {}
+    exec(compile(plain_pytorch_lines(), "docs/models.md", "exec"), namespace)  # noqa: S102 - the repository's docs
+    return namespace["embedding"]
+
+
+@pytest.mark.parametrize("kind", ["grey", "bgr255"])
+def test_export_folder_carries_its_preprocessing_and_the_documented_lines_use_it(kind, trained, tmp_path,
+                                                                                 monkeypatch):
+    """Issue 27 s.2: input_spec.json beside the weights, load_embedding_model takes the folder, and the ten lines
+    of docs/models.md give the embedding the library's own evaluation transform gives (search's ImageEmbedder)."""
+    import dataclasses
+
+    from PIL import Image
+
+    from lightning_dml.index.embed import ImageEmbedder
+    from lightning_dml.models.input_spec import InputSpec
+
+    if kind == "grey":
+        module, folder, _ = trained  # the backbone's declared spec, the example's size as the crop
+        spec = module.backbone.input_spec
+        crop, resize = 16, 16
+    else:  # a Caffe-style convention: BGR, pixels in [0, 255]
+        torch.manual_seed(3)
+        module = DMLModule(SmallConvNet(in_channels=3, width=4), embedding_dim=8, clustering=False).eval()
+        spec = InputSpec(color="BGR", scale=255.0, mean=(104.0, 117.0, 128.0), std=(58.0, 57.0, 57.0), crop_size=16,
+                         resize_size=20, interpolation="bicubic")
+        crop, resize = 16, 20
+        folder = tmp_path / "bgr"
+        export_embedding_model(module, folder, torch.randn(2, 3, 16, 16), ["safetensors"],
+                               (spec, {"crop_size": crop, "resize_size": resize, "mode": "RGB"}))
+    record = json.loads((folder / INPUT_SPEC).read_text())
+    assert record["input_spec"] == json.loads(json.dumps(dataclasses.asdict(spec)))
+    assert (record["crop_size"], record["resize_size"], record["normalized"]) == (crop, resize, False)
+    pixels = torch.randint(0, 256, (30, 41, 3), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    image = Image.fromarray(pixels.numpy(), "RGB")
+    documented = run_plain_pytorch_lines(folder, image, tmp_path, monkeypatch)
+    library = ImageEmbedder(folder / SAFETENSORS, spec, {"crop_size": crop, "resize_size": resize,
+                                                         "mode": record["mode"]})([image])
+    assert documented.shape == (1, 8)
+    torch.testing.assert_close(documented, torch.nn.functional.normalize(library, dim=1), rtol=0, atol=1e-6)
+    with torch.no_grad():
+        assert torch.equal(load_embedding_model(folder)(torch.ones(1, spec.channels, crop, crop)),
+                           load_embedding_model(folder / SAFETENSORS)(torch.ones(1, spec.channels, crop, crop)))
+
+
+def test_load_embedding_model_names_what_an_export_folder_lacks(tmp_path):
+    (tmp_path / STATE_DICT).write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=f"export folder .* has no {SAFETENSORS} .*it holds {STATE_DICT}"):
+        load_embedding_model(tmp_path)

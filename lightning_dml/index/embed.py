@@ -28,9 +28,10 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_dml.data.image_list import ImageListDataset, collate_skipping, load_image
-from lightning_dml.data.transforms import default_resize_size, eval_transform
+from lightning_dml.data.transforms import eval_transform
 from lightning_dml.errors import UserInputError
 from lightning_dml.models.input_spec import InputSpec
+from lightning_dml.run_model import preprocessing
 
 __all__ = [
     "ImageEmbedder",
@@ -54,18 +55,6 @@ def load_checkpoint_model(config: str | os.PathLike, ckpt_path: str | os.PathLik
     from lightning_dml.run_model import load_run_model
 
     return load_run_model(config, ckpt_path)
-
-
-def preprocessing(module: Any, datamodule: Any) -> tuple[InputSpec, dict[str, Any]]:
-    """The input spec (the backbone's, else the data module's) and ``{"crop_size", "resize_size", "mode"}`` of the
-    data module's evaluation transform (resize the shorter side, centre crop, convert to the spec)."""
-    from lightning_dml.models.input_spec import TORCHVISION_IMAGENET, backbone_input_spec
-
-    spec = backbone_input_spec(module) or getattr(datamodule, "input_spec", None) or TORCHVISION_IMAGENET
-    crop = int(getattr(datamodule, "image_size", None) or spec.crop_size)
-    resize = getattr(datamodule, "resize_size", None)
-    resize = int(resize) if isinstance(resize, int) else default_resize_size(crop, spec)
-    return spec, {"crop_size": crop, "resize_size": resize, "mode": "L" if spec.color == "L" else "RGB"}
 
 
 def predict_embeddings(
