@@ -40,6 +40,12 @@ from lightning_dml.losses.ntxent import NTXentLoss
 from lightning_dml.losses.smooth_ap import SmoothAPLoss
 from lightning_dml.losses.supcon import SupConLoss
 
+# pml 2.x / 3.0 losses, part 3b (issue 29; each registers itself with @register_loss where it is defined)
+from lightning_dml.losses.p2sgrad import P2SGradLoss
+from lightning_dml.losses.pnp import PNPLoss
+from lightning_dml.losses.snr_contrastive import SNRContrastiveLoss
+from lightning_dml.losses.threshold_consistent_margin import ThresholdConsistentMarginLoss
+
 __all__ = [
     "LOSSES",
     "build_loss",
@@ -73,4 +79,8 @@ __all__ = [
     "NTXentLoss",
     "SmoothAPLoss",
     "SupConLoss",
+    "P2SGradLoss",
+    "PNPLoss",
+    "SNRContrastiveLoss",
+    "ThresholdConsistentMarginLoss",
 ]
