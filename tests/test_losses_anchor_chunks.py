@@ -1,0 +1,204 @@
+"""``anchor_chunk_size``: the pair losses scored one block of anchors at a time (lightning_dml/losses/chunking.py)
+give the unchunked value and gradients.
+
+* fp64: every supporting loss and option, both code paths (closed form / autograd), random and trained-like
+  clustered batches, blocks of 1 and 7 anchors (uneven last block), with and without reference items: value and
+  gradients (embeddings and references) within ``1e-12`` relative (measured: below ``2e-15``);
+* label sets, with reference items of another width;
+* fp32: within ``5e-6`` relative of the unchunked fp32 loss at ``B = 256`` (measured: at most ``6.5e-7`` at
+  ``B = 512``; the blocks only change the order of the row and batch sums);
+* the graph kept for the backward is the gallery, not the ``B x N`` matrices (saved-tensor hooks);
+* controls: per-block normalisers (a naive chunking) do NOT give the loss, so the comparisons can fail;
+* bad values and losses whose terms couple anchors are rejected with a message naming the loss;
+* under DDP (2 gloo processes, ``gather_distributed``'s reference path): tests/distributed/run_anchor_chunks_ddp.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_dml.losses import LOSSES
+from tests.test_losses_trained_like import trained_like_batch
+
+VARIANTS = [
+    ("multi_similarity", {}),
+    ("multi_similarity", {"mining": False}),
+    ("multi_similarity", {"weighting": False}),
+    ("multi_similarity", {"plus_one": False, "on_empty": "skip"}),
+    ("contrastive", {}),
+    ("contrastive", {"reduction": "mean", "pos_margin": 0.3}),
+    ("contrastive", {"reduction": "sum", "squared": True, "squared_hinge": True}),
+    ("triplet", {}),
+    ("triplet", {"mining": "batch_hard"}),
+    ("triplet", {"reduction": "mean", "squared": True}),
+    ("triplet", {"reduction": "sum"}),
+    ("supcon", {}),
+    ("ntxent", {}),
+    ("circle", {}),
+    ("nca", {}),
+    ("nca", {"objective": "expected"}),
+    ("smooth_ap", {"temperature": 0.1}),
+    ("fastap", {}),
+    ("lifted_structure", {"variant": "generalized"}),
+    ("lifted_structure", {"variant": "star"}),
+]
+IDS = [f"{name}-{kw}" for name, kw in VARIANTS]
+B, M, DIM = 24, 7, 16
+
+
+def _batch(kind: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == "clustered":  # trained-like: tight classes, negatives at the margins (mining and hinges active)
+        return trained_like_batch(seed, 0.8, 0.55, classes=6, per_class=4, dim=DIM)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, DIM, generator=g, dtype=torch.float64), torch.randint(0, 6, (B,), generator=g)
+
+
+def _loss_and_grads(name, kwargs, chunk, closed_form, x, y, ref=None, ref_y=None):
+    loss = LOSSES[name](**kwargs, anchor_chunk_size=chunk)
+    loss.closed_form = closed_form
+    inputs = [x.clone().requires_grad_(True)] + ([ref.clone().requires_grad_(True)] if ref is not None else [])
+    value = loss(inputs[0], y, inputs[1] if ref is not None else None, ref_y)
+    return value.detach(), torch.autograd.grad(value, inputs)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-300))
+
+
+def _assert_equal(got, want, tol):
+    (v1, g1), (v0, g0) = got, want
+    assert abs(float(v1 - v0)) <= tol * max(abs(float(v0)), 1e-300), (float(v1), float(v0))
+    assert float(v0) != 0.0  # the batches activate every loss
+    for a, b in zip(g1, g0):
+        assert float(b.abs().max()) > 0 and _rel(a, b) <= tol, _rel(a, b)
+
+
+@pytest.mark.parametrize("closed_form", [True, False], ids=["closed_form", "autograd"])
+@pytest.mark.parametrize("kind", ["random", "clustered"])
+@pytest.mark.parametrize("name, kwargs", VARIANTS, ids=IDS)
+def test_chunked_equals_unchunked_fp64(name, kwargs, kind, closed_form):
+    x, y = _batch(kind)
+    xr, yr = _batch(kind, seed=1)
+    ref, ref_y = xr[:M], yr[:M]
+    want = _loss_and_grads(name, kwargs, None, closed_form, x, y)
+    want_ref = _loss_and_grads(name, kwargs, None, closed_form, x, y, ref, ref_y)
+    for chunk in (1, 7):
+        _assert_equal(_loss_and_grads(name, kwargs, chunk, closed_form, x, y), want, 1e-12)
+        _assert_equal(_loss_and_grads(name, kwargs, chunk, closed_form, x, y, ref, ref_y), want_ref, 1e-12)
+
+
+@pytest.mark.parametrize("name, kwargs", [v for v in VARIANTS if LOSSES[v[0]].supports_label_sets],
+                         ids=[i for i, v in zip(IDS, VARIANTS) if LOSSES[v[0]].supports_label_sets])
+def test_chunked_equals_unchunked_with_label_sets(name, kwargs):
+    x, y = _batch("clustered")
+    index = torch.arange(B)
+    sets = torch.stack([y, torch.where(index % 3 == 0, (y + 1) % 6, -1)], dim=1)
+    sets[4] = -1  # an item without labels
+    sets[1::4] = sets[1::4].flip(1)  # padding first
+    xr, yr = _batch("clustered", seed=1)
+    ref, ref_sets = xr[:M], torch.stack([yr[:M], (yr[:M] + 2) % 6, torch.full((M,), -1)], dim=1)  # width 3
+    for closed_form in (True, False):
+        want = _loss_and_grads(name, kwargs, None, closed_form, x, sets, ref, ref_sets)
+        _assert_equal(_loss_and_grads(name, kwargs, 5, closed_form, x, sets, ref, ref_sets), want, 1e-12)
+
+
+@pytest.mark.parametrize("name, kwargs", [VARIANTS[0], VARIANTS[4], VARIANTS[7], VARIANTS[11], VARIANTS[16]],
+                         ids=[IDS[0], IDS[4], IDS[7], IDS[11], IDS[16]])
+def test_chunked_fp32_within_stated_bound(name, kwargs):
+    g = torch.Generator().manual_seed(3)
+    y = torch.arange(256) % 32
+    centres = torch.nn.functional.normalize(torch.randn(32, 32, generator=g), dim=1)
+    x = centres[y] + 0.3 * torch.randn(256, 32, generator=g)
+    want = _loss_and_grads(name, kwargs, None, True, x, y)
+    got = _loss_and_grads(name, kwargs, 32, True, x, y)
+    assert got[0].dtype == torch.float32
+    _assert_equal(got, want, 5e-6)
+
+
+def test_graph_keeps_the_gallery_not_the_pair_matrices():
+    """Saved for the backward while the loss's graph exists: the unchunked MS loss holds ``B x N`` weights, the
+    chunked one only its input gallery (each block is recomputed in the backward)."""
+    x, y = torch.randn(64, 8, dtype=torch.float64), torch.arange(64) % 8
+
+    def saved_numel(chunk):
+        sizes = []
+
+        def pack(t):
+            sizes.append(t.numel())
+            return t
+
+        xg = x.clone().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            value = LOSSES["multi_similarity"](anchor_chunk_size=chunk)(xg, y)
+        value.backward()
+        assert xg.grad is not None and float(xg.grad.abs().max()) > 0
+        return max(sizes)
+
+    assert saved_numel(None) >= 64 * 64
+    assert saved_numel(8) <= 64 * 8  # the normalised embeddings [B, D]
+
+
+def test_no_grad_and_bfloat16_inputs():
+    x, y = _batch("clustered")
+    loss, chunked = LOSSES["supcon"](), LOSSES["supcon"](anchor_chunk_size=5)
+    with torch.no_grad():
+        assert torch.allclose(chunked(x, y), loss(x, y), rtol=1e-12, atol=0)
+    xb = x.to(torch.bfloat16)
+    want = _loss_and_grads("supcon", {}, None, True, xb, y)
+    got = _loss_and_grads("supcon", {}, 5, True, xb, y)
+    assert got[1][0].dtype == torch.bfloat16
+    assert abs(float(got[0] - want[0])) <= 1e-6 * abs(float(want[0]))
+    assert _rel(got[1][0].double(), want[1][0].double()) <= 1e-2  # one bf16 rounding of each gradient entry
+
+
+def test_per_block_normalisers_do_not_give_the_loss():
+    """Control: each block's loss with its own normalisers, summed or averaged, is not the loss (so the
+    comparisons above, which pass only with the global normalisers, have power)."""
+    x, y = _batch("clustered")
+    for name in ("multi_similarity", "contrastive", "supcon", "triplet"):
+        want = float(LOSSES[name]()(x, y))
+        loss = LOSSES[name]()
+        blocks = []
+        for s in range(0, B, 7):
+            order = torch.cat([torch.arange(s, min(s + 7, B)), torch.arange(0, s), torch.arange(min(s + 7, B), B)])
+            rest = order[min(s + 7, B) - s:]
+            blocks.append(float(loss(x[s:s + 7], y[s:s + 7], x[rest], y[rest])))
+        assert abs(sum(blocks) / len(blocks) - want) > 1e-6 * abs(want), name
+        assert abs(sum(blocks) - want) > 1e-6 * abs(want), name
+
+
+@pytest.mark.parametrize("value", [0, -3, 2.5, True, "8"])
+def test_bad_chunk_size_rejected(value):
+    with pytest.raises(ValueError, match=r"MultiSimilarityLoss: anchor_chunk_size must be an integer >= 1"):
+        LOSSES["multi_similarity"](anchor_chunk_size=value)
+
+
+def test_losses_whose_terms_couple_anchors_reject_chunks():
+    with pytest.raises(ValueError, match=r"LiftedStructureLoss\(.*variant='original'.*does not take anchor_chunk_size"):
+        LOSSES["lifted_structure"](anchor_chunk_size=8)
+    for name in ("tuplet_margin", "npair", "ranked_list"):
+        loss = LOSSES[name]()
+        with pytest.raises(ValueError, match=f"{type(loss).__name__}.*does not take anchor_chunk_size"):
+            loss.set_anchor_chunk_size(8)
+        loss.set_anchor_chunk_size(None)  # turning it off is always fine
+
+
+def test_batch_within_one_block_is_the_plain_call():
+    x, y = _batch("random")
+    want = _loss_and_grads("contrastive", {}, None, True, x, y)
+    _assert_equal(_loss_and_grads("contrastive", {}, B, True, x, y), want, 0.0)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="gloo")
+def test_chunked_losses_under_ddp_gather_equal_single_process():
+    from tests.distributed.test_distributed_callbacks import _env
+
+    script = Path(__file__).resolve().parent / "distributed" / "run_anchor_chunks_ddp.py"
+    proc = subprocess.run([sys.executable, str(script), "2"], capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-5000:]
+    assert "CHUNKS-DDP-OK world=2" in proc.stdout
