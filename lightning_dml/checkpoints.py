@@ -7,7 +7,8 @@
   repeated.
 * :func:`read_torch_file`: the same safe load for the library's other ``torch.save`` files (predictions, cv folds).
 * :func:`local_checkpoint`: an ``http(s)://`` checkpoint downloaded to the cache (then read like a local file).
-* :func:`hparams_disagreements`: the hyper-parameters of a checkpoint that a configuration gives differently.
+* :func:`hparams_disagreements`: the hyper-parameters of a checkpoint that a configuration gives differently (the
+  evaluation settings, :data:`EVALUATION_HPARAMS`, may differ).
 * :func:`checkpoint_record`: ``{"path", "sha256"}`` of the checkpoint a run's weights came from (``None``: none),
   what ``lightning-dml`` logs as the ``checkpoint`` hyper-parameter and writes into the predictions file.
 """
@@ -28,6 +29,7 @@ import torch
 from lightning_dml.errors import CorruptFileError, MissingFileError, UserInputError
 
 __all__ = [
+    "EVALUATION_HPARAMS",
     "CheckpointMismatchError",
     "checkpoint_record",
     "flatten",
@@ -212,13 +214,24 @@ def _equal(a: Any, b: Any) -> bool:
     return a == b
 
 
+#: The model's evaluation settings (:class:`~lightning_dml.module.DMLModule`'s arguments that only choose what
+#: validation and test compute): not the model, so they may differ from the checkpoint's
+#: (``test --ckpt_path X --model.metrics "[mrr, ndcg@5]"``). Every other hyper-parameter (architecture, loss,
+#: optimisation) must equal the checkpoint's.
+EVALUATION_HPARAMS = ("recall_at", "clustering", "metrics")
+
+
 def hparams_disagreements(
-    checkpoint_hparams: Mapping[str, Any], given: Mapping[str, Any], keys: Iterable[str] | None = None
+    checkpoint_hparams: Mapping[str, Any],
+    given: Mapping[str, Any],
+    keys: Iterable[str] | None = None,
+    evaluation: bool = False,
 ) -> list[tuple[str, Any, Any]]:
     """``(key, given value, checkpoint value)`` for every dotted key present in both that differs.
 
     Keys starting with ``_`` (Lightning's ``_instantiator``, ``_class_path``) are not hyper-parameters and are left
-    out; ``keys`` restricts the comparison (default: all). Tuples and lists compare equal element by element.
+    out, and so are the evaluation settings (:data:`EVALUATION_HPARAMS`) unless ``evaluation``; ``keys`` restricts
+    the comparison (default: all). Tuples and lists compare equal element by element.
     """
     ckpt = {k: v for k, v in flatten(checkpoint_hparams).items() if not k.split(".")[0].startswith("_")}
     mine = flatten(given)
@@ -227,18 +240,22 @@ def hparams_disagreements(
     for key in sorted(set(ckpt) & set(mine)):
         if wanted is not None and key.split(".")[0] not in wanted:
             continue
+        if not evaluation and key.split(".")[0] in EVALUATION_HPARAMS:
+            continue
         if not _equal(mine[key], ckpt[key]):
             out.append((key, mine[key], ckpt[key]))
     return out
 
 
 # ------------------------------------------------------------------------------------------------- record
-_SHA256: dict[tuple[str, int, int], str] = {}
+_SHA256: dict[tuple[str, int, int, int], str] = {}
 
 
 def _sha256(path: Path) -> str:
     stat = path.stat()
-    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    # the change time too: a rewrite of the same size whose modification time was put back (os.utime, cp -p)
+    # changes it, so the cache never answers the old digest for new content
+    key = (str(path), stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
     if key not in _SHA256:
         digest = hashlib.sha256()
         with open(path, "rb") as handle:
@@ -252,7 +269,7 @@ def checkpoint_record(ckpt_path: str | os.PathLike | None) -> dict[str, str] | N
     """``{"path": absolute path, "sha256": hex digest}`` of a checkpoint file, ``{"path": ...}`` alone for a URL or
     a folder (a sharded checkpoint), ``None`` when no checkpoint was loaded (the model's initial weights).
 
-    The digest (one read of the file, cached by path, size and modification time) identifies the weights even
+    The digest (one read of the file, cached by path, size, modification and change time) identifies the weights even
     after ``last.ckpt`` has been overwritten by a later run.
     """
     if ckpt_path is None or str(ckpt_path) == "":

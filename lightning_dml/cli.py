@@ -30,6 +30,7 @@ from pytorch_lightning.utilities import rank_zero_only
 from lightning_dml import __version__
 from lightning_dml.callbacks import PeriodicCheckpoint, PredictionWriter, ValidationSummary
 from lightning_dml.checkpoints import (
+    EVALUATION_HPARAMS,
     CheckpointMismatchError,
     hparams_disagreements,
     is_local_file_path,
@@ -42,6 +43,7 @@ from lightning_dml.download import env_flag, set_offline
 from lightning_dml.errors import CorruptFileError, UserInputError, user_error_message
 from lightning_dml.module import DERIVED_HPARAMS, DMLModule
 from lightning_dml.run_config import SaveRunConfig
+from lightning_dml.runs import check_checkpoint_folders, remove_checkpoints
 
 #: Trainer defaults of the ``lightning-dml`` command (a user's ``trainer_defaults`` to :class:`DMLCLI` adds to them)
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -250,6 +252,13 @@ class DMLCLI(LightningCLI):
             help="fit: validate once more when fit ends after training steps that no validation saw (stopped at "
             "max_steps or max_time between two validations), so that every fit ends with its metrics",
         )
+        parser.add_argument(
+            "--overwrite_checkpoints",
+            type=bool,
+            default=False,
+            help="fit: replace the checkpoints another run left in the checkpoint folder (without it such a fit "
+            "is refused unless it resumes with --ckpt_path last; lightning_dml/runs.py)",
+        )
 
     # ------------------------------------------------------------------------------------- the checkpoint to load
     def parse_arguments(self, parser: Any, args: Any) -> None:
@@ -317,6 +326,8 @@ class DMLCLI(LightningCLI):
         else:
             given = parser.parse_args(args, defaults=False)  # what the config files and the command line give
         given_model = (given.get(subcommand) or {}).get("model") or {}
+        # evaluation settings the user gives win over the checkpoint's (re-applied in before_instantiate_classes)
+        self.given_evaluation = {k: given_model[k] for k in EVALUATION_HPARAMS if given_model.get(k) is not None}
         disagreements = [  # a derived value left to be filled in (a fit's saved config.yaml) is not given
             (key, mine, theirs) for key, mine, theirs in hparams_disagreements(hparams, given_model)
             if not (mine is None and key.split(".")[0] in DERIVED_HPARAMS)
@@ -330,6 +341,18 @@ class DMLCLI(LightningCLI):
                 f"--ckpt_path {ckpt_path} was saved with other model hyper-parameters than the ones given: {details}. "
                 "Leave these keys out to use the checkpoint's values, or give the checkpoint of such a model"
             )
+
+    def before_instantiate_classes(self) -> None:
+        """Give back the evaluation settings (:data:`~lightning_dml.checkpoints.EVALUATION_HPARAMS`: ``metrics``,
+        ``recall_at``, ``clustering``) that the config or the command line gave and LightningCLI replaced by the
+        checkpoint's when it read ``--ckpt_path``: ``test --ckpt_path X --model.metrics "[mrr, ndcg@5]"`` computes
+        these metrics with X's model. Architecture, loss and optimisation settings stay the checkpoint's
+        (:meth:`check_checkpoint` refuses different ones)."""
+        subcommand = self.config.get("subcommand")
+        given = getattr(self, "given_evaluation", None)
+        if subcommand and given:
+            for key, value in given.items():
+                self.config[subcommand]["model"][key] = value
 
     def _warn_without_checkpoint(self, command: str) -> None:
         if self.config[command].get("ckpt_path") is None:
@@ -349,7 +372,17 @@ class DMLCLI(LightningCLI):
 
     # ------------------------------------------------------------------------------------- the end of fit
     def before_fit(self) -> None:
-        self.validation_summary.final_validation = bool(self.config["fit"].get("validate_at_end", True))
+        """Refuse a fit that would replace another run's checkpoints (:func:`~lightning_dml.runs.
+        check_checkpoint_folders`: unless it resumes, ``--ckpt_path last``, or ``--overwrite_checkpoints true``,
+        which removes them here, on global rank 0, before the first step)."""
+        config = self.config["fit"]
+        self.validation_summary.final_validation = bool(config.get("validate_at_end", True))
+        folders = [cb.dirpath for cb in self.trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
+        replaced = check_checkpoint_folders(folders, config.get("ckpt_path"), bool(config.get("overwrite_checkpoints")))
+        if replaced and self.trainer.is_global_zero:
+            remove_checkpoints(replaced)
+            _warn(f"--overwrite_checkpoints: removed {len(replaced)} checkpoint(s) of an earlier run from "
+                  f"{', '.join(str(f) for f in dict.fromkeys(p.parent for p in replaced))}")
 
     def after_fit(self) -> None:
         """The final validation of ``--validate_at_end`` (see the class docstring), then the metrics table.

@@ -6,16 +6,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import os
+import sys
+
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import BasePredictionWriter
-from pytorch_lightning.utilities import rank_zero_info
 
 from lightning_dml.checkpoints import checkpoint_record, read_torch_file
 from lightning_dml.distributed import all_gather_object
 from lightning_dml.errors import CorruptFileError
+from lightning_dml.runs import run_folder
 
-__all__ = ["PredictionWriter", "load_predictions"]
+__all__ = ["PredictionWriter", "describe_predictions", "load_predictions"]
 
 
 def _merge_predictions(outputs: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -97,11 +100,15 @@ class PredictionWriter(BasePredictionWriter):
 
     Under DDP every process sends its items (on CPU) to the others
     (:func:`lightning_dml.distributed.all_gather_object`); rank 0 drops duplicate indices and writes the single
-    file. ``lightning-dml predict`` adds one writing ``<log_dir>/predictions.pt``. Only one predict dataloader is
-    supported.
+    file (written to a temporary file renamed into place: a reader never sees half of it) and prints one line: the
+    path, the number of rows, the embedding width, the kind of labels and the checkpoint. ``lightning-dml predict``
+    adds one writing ``predictions.pt`` into the run's own folder (:func:`~lightning_dml.runs.run_folder`:
+    ``--trainer.default_root_dir`` when given, else the logger's folder of this run, such as
+    ``logs/wandb/offline-run-<time>-<id>/``), never into the logger's ``save_dir`` shared by every run. Only one
+    predict dataloader is supported.
 
     Args:
-        output_path: the file; ``<trainer.log_dir or default_root_dir>/predictions.pt`` when ``None``.
+        output_path: the file; ``<run folder>/predictions.pt`` (:func:`~lightning_dml.runs.run_folder`) when ``None``.
     """
 
     def __init__(self, output_path: str | None = None) -> None:
@@ -110,10 +117,14 @@ class PredictionWriter(BasePredictionWriter):
         self.written_path: Path | None = None
 
     def resolve_path(self, trainer: pl.Trainer) -> Path:
-        """Where the file goes for this trainer (call it on every process: ``trainer.log_dir`` is a collective)."""
+        """Where the file goes for this trainer (call it on every process: ``trainer.log_dir`` is a collective; only
+        global rank 0's answer is the file's)."""
         if self.output_path is not None:
             return Path(self.output_path)
-        return Path(trainer.log_dir or trainer.default_root_dir) / "predictions.pt"
+        log_dir = trainer.log_dir  # every process takes part in this collective
+        if not trainer.is_global_zero:
+            return Path(log_dir or trainer.default_root_dir) / "predictions.pt"
+        return run_folder(trainer) / "predictions.pt"
 
     @staticmethod
     def _dataset(trainer: pl.Trainer) -> Any:
@@ -143,9 +154,32 @@ class PredictionWriter(BasePredictionWriter):
         result.update(_names(getattr(trainer, "datamodule", None)))
         result["checkpoint"] = checkpoint_record(trainer.ckpt_path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(result, path)
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            torch.save(result, temporary)
+            os.replace(temporary, path)
+        finally:
+            temporary.unlink(missing_ok=True)
         self.written_path = path
-        rank_zero_info(f"PredictionWriter: {len(result['indices'])} embeddings written to {path}")
+        print(f"lightning-dml predict: wrote {path}: {describe_predictions(result)}", file=sys.stdout, flush=True)
+
+
+def describe_predictions(data: dict[str, Any]) -> str:
+    """One line on what a predictions file holds: rows, embedding width, labels, query/gallery split, checkpoint."""
+    embeddings, labels = data["embeddings"], data["labels"]
+    rows, width = len(data["indices"]), (int(embeddings.shape[1]) if embeddings.ndim == 2 else 0)
+    if labels.ndim == 2:
+        kind = f"label sets (multi-hot over {labels.shape[1]} labels)"
+    else:
+        distinct = int(torch.unique(labels).numel()) if labels.numel() else 0
+        names = " with names" if data.get("class_names") else ""
+        kind = f"one class label per row ({distinct} classes{names})"
+    split = ""
+    if data.get("query_mask") is not None:
+        split = f", {int(data['query_mask'].sum())} queries / {int(data['gallery_mask'].sum())} gallery items"
+    checkpoint = data.get("checkpoint")
+    source = f"checkpoint {checkpoint['path']}" if checkpoint else "no checkpoint (initial weights)"
+    return f"{rows} rows, embeddings of width {width} (raw, not normalised), {kind}{split}; {source}"
 
 
 def load_predictions(path: str | Path) -> dict[str, Any]:
@@ -154,7 +188,8 @@ def load_predictions(path: str | Path) -> dict[str, Any]:
     after ``paths`` are absent from files written before they were recorded)."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"no predictions file at {path} (lightning-dml predict writes <log_dir>/predictions.pt)")
+        raise ValueError(f"no predictions file at {path} (lightning-dml predict writes predictions.pt into the run's "
+                         "folder and prints its path)")
     # tensors and plain data only; anything else (pickled objects, a truncated file) is one CorruptFileError
     data = read_torch_file(path, "predictions file", "predictions file")
     missing = {"embeddings", "labels", "indices", "paths"} - set(data if isinstance(data, dict) else ())

@@ -14,7 +14,8 @@
 ``PATH``: an image folder of class folders or a CSV/Parquet table (:mod:`lightning_dml.index.gallery`); ``--queries``
 also takes a ``lightning-dml predict`` file (``predictions.pt``: its checkpoint must be the index's). ``build`` runs
 Lightning's predict loop (``--devices 2 --strategy ddp``: every process embeds its share, rank 0 writes the folder).
-``status`` lists the gallery files that changed since they were indexed; ``add`` re-embeds them.
+``status`` lists the gallery files that changed since they were indexed (``add`` re-embeds them) and says whether the
+checkpoint the index was built from changed since (its sha256 against the one recorded at build).
 
 ``build`` and ``add`` write the folder as a whole under its lock (``.DIR.lock`` beside it,
 :mod:`lightning_dml.index.folder`): a command stopped at any point leaves the old index whole, and a second writer
@@ -210,6 +211,11 @@ def _status(args: argparse.Namespace) -> None:
     ckpt = m.checkpoint or {}
     print(f"{index!r}\ncheckpoint: {ckpt.get('path')} (sha256 {ckpt.get('sha256')})\noptions: {m.options}\n"
           f"written by lightning-dml {m.library}, faiss {m.faiss}, torch {m.torch}")
+    change = m.checkpoint_change()  # the recorded sha256 against the file's content now
+    if change:
+        print(f"checkpoint changed: {change}")
+    elif m.checkpoint_sha256:
+        print("checkpoint unchanged since the index was built (same sha256)")
     changed = index.changed_files()
     print(f"changed gallery files: {len(changed)}")
     for i, path, what in changed:

@@ -93,6 +93,29 @@ class Manifest:
     def checkpoint_sha256(self) -> str | None:
         return None if not self.checkpoint else self.checkpoint.get("sha256")
 
+    def checkpoint_change(self) -> str | None:
+        """Whether the checkpoint the index was built from is still the file it was: ``None`` when it is (or when
+        the index records no checkpoint file and digest), else one line saying what changed (the file is missing, or
+        its content is not the content indexed: the gallery's embeddings are of other weights).
+
+        The file's sha256 is computed again (:func:`~lightning_dml.checkpoints.checkpoint_record`; one read of the
+        file) and compared with the one recorded at build: a size and modification time would not tell a re-trained
+        checkpoint of the same model (the same size to the byte) copied with its time kept (``cp -p``, ``rsync
+        -a``), and the digest is what the index, ``search`` and ``index evaluate --queries`` already check."""
+        path, recorded = (self.checkpoint or {}).get("path"), self.checkpoint_sha256
+        if not path or not recorded:
+            return None
+        from lightning_dml.checkpoints import checkpoint_record
+
+        if not Path(path).is_file():
+            return f"the checkpoint {path} the index was built from is missing"
+        now = (checkpoint_record(path) or {}).get("sha256")
+        if now == recorded:
+            return None
+        return (f"the checkpoint {path} changed since the index was built (sha256 {recorded[:12]}... at build, "
+                f"{str(now)[:12]}... now): the index holds embeddings of the old weights; rebuild it "
+                "(lightning-dml index build --overwrite) to search with the new ones")
+
     def to_json(self) -> str:
         return json.dumps({**dataclasses.asdict(self), **versions()}, indent=2, sort_keys=True)
 

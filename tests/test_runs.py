@@ -1,0 +1,143 @@
+"""Nothing a user made is lost by running a command again, and evaluation settings may differ from a checkpoint's
+(issue 27, sections 1 and 2; lightning_dml/runs.py):
+
+* a second ``fit`` into the folder of a first one is refused (one line, the checkpoints untouched) unless it
+  resumes (``--ckpt_path last``) or is told to replace them (``--overwrite_checkpoints true``);
+* ``predict`` writes into the run's own folder, never the shared ``logs/predictions.pt``, and says what it wrote;
+* ``test --ckpt_path X --model.metrics "[mrr, ndcg@5]"`` computes these metrics with X's model, while an
+  architecture setting that differs stays an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import wandb
+
+from lightning_dml.callbacks import load_predictions
+from lightning_dml.cli import build_cli, main
+from tests.test_cli import FAST, GLYPHS
+from tests.test_cli_trust import glyph_renderings  # noqa: F401 - the fixture: glyphs rendered once per session
+
+QUIET = ["--trainer.callbacks=[]", "--trainer.logger=false"]
+FIT = ["fit", "--config", str(GLYPHS), *FAST, *QUIET, "--trainer.enable_checkpointing=true",
+       "--model.recall_at=[1,2]", "--trainer.limit_val_batches=2"]
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.ckpt"))}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, glyph_renderings) -> Path:
+    """``last.ckpt`` of a one-epoch fit of the fast Glyphs config (embedding width 16, recall_at [1, 2])."""
+    root = tmp_path_factory.mktemp("runs_trained")
+    build_cli([*FIT, f"--trainer.default_root_dir={root}"])
+    return root / "checkpoints" / "last.ckpt"
+
+
+def test_a_second_fit_never_replaces_another_runs_checkpoints(tmp_path, capsys, glyph_renderings):
+    run = tmp_path / "run"
+    build_cli([*FIT, f"--trainer.default_root_dir={run}"])
+    folder = run / "checkpoints"
+    first = _digests(folder)
+    assert "last.ckpt" in first and any(name.startswith("best-") for name in first)
+    capsys.readouterr()
+    # the same command again (a re-run, or a typo fixed): refused in one line, the trained model untouched
+    code, _, err = _main(capsys, *FIT, f"--trainer.default_root_dir={run}", "--trainer.max_epochs=2")
+    lines = [line for line in err.splitlines() if line.startswith("lightning-dml: error:")]
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    assert str(folder) in lines[0] and "last.ckpt" in lines[0]
+    for way in ("--ckpt_path last", "--trainer.default_root_dir", "--overwrite_checkpoints true"):
+        assert way in lines[0]
+    assert _digests(folder) == first
+    # starting from another run's checkpoint into this folder would replace them too
+    other = tmp_path / "other.ckpt"
+    other.write_bytes((folder / "last.ckpt").read_bytes())
+    code, _, err = _main(capsys, *FIT, f"--trainer.default_root_dir={run}", f"--ckpt_path={other}",
+                         "--trainer.max_epochs=2")
+    assert code == 1 and "from another checkpoint" in err and _digests(folder) == first
+    # resuming the run itself is allowed: last.ckpt is the resumed run's, one epoch further
+    cli = build_cli([*FIT, f"--trainer.default_root_dir={run}", "--ckpt_path=last", "--trainer.max_epochs=2"])
+    assert cli.trainer.current_epoch == 2
+    resumed = torch.load(folder / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == 6 and _digests(folder)["last.ckpt"] != first["last.ckpt"]
+    # told to overwrite: only the new run's checkpoints remain (last and best are the new run's)
+    before = set(_digests(folder).values())
+    cli = build_cli([*FIT, f"--trainer.default_root_dir={run}", "--overwrite_checkpoints=true",
+                     "--trainer.limit_train_batches=2"])
+    after = _digests(folder)
+    assert not before & set(after.values())
+    assert set(after) == {"last.ckpt", Path(cli.trainer.checkpoint_callback.best_model_path).name}
+    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 2
+
+
+def test_predict_writes_into_its_run_folder_and_says_what_it_wrote(trained, tmp_path, capsys):
+    """With the default (W&B, offline) logger in the working directory, two predicts wrote the same
+    ``logs/predictions.pt`` and printed nothing; each now writes into its own run folder."""
+    args = ["predict", "--config", str(GLYPHS), *FAST, "--trainer.callbacks=[]", "--model.recall_at=[1,2]",
+            "--trainer.limit_predict_batches=2", f"--ckpt_path={trained}"]
+    written = []
+    for _ in range(2):
+        wandb.finish()  # as a new command does: a new W&B run (in one process the logger reuses the open run)
+        code, out, err = _main(capsys, *args)
+        assert code == 0, err[-2000:]
+        (line,) = [line for line in out.splitlines() if line.startswith("lightning-dml predict: wrote ")]
+        path = Path(re.match(r"lightning-dml predict: wrote (.+?\.pt): ", line).group(1))
+        data = load_predictions(path)
+        rows, width = data["embeddings"].shape
+        assert f"{rows} rows, embeddings of width {width} " in line and width == 16
+        assert f"one class label per row ({len(set(data['labels'].tolist()))} classes with names)" in line
+        assert str(trained.resolve()) in line
+        written.append(path)
+    assert written[0] != written[1] and all(p.is_file() for p in written)
+    assert not (tmp_path / "logs" / "predictions.pt").exists()
+    assert all(p.is_relative_to(tmp_path / "logs" / "wandb") for p in written)
+    wandb.finish()
+    # a run folder given by --trainer.default_root_dir holds its predictions
+    code, out, err = _main(capsys, *args, "--trainer.logger=false", "--trainer.default_root_dir=runs/p")
+    assert code == 0 and (tmp_path / "runs" / "p" / "predictions.pt").is_file(), err[-2000:]
+    assert f"wrote {tmp_path / 'runs' / 'p' / 'predictions.pt'}: " in out
+
+
+def test_evaluation_settings_may_differ_from_the_checkpoint(trained, capsys):
+    base = ["test", "--config", str(GLYPHS), *FAST, *QUIET, "--trainer.limit_test_batches=2", f"--ckpt_path={trained}"]
+    cli = build_cli([*base, "--model.metrics=[mrr, ndcg@5]", "--model.recall_at=[1,4]", "--model.clustering=true"])
+    metrics = cli.trainer.callback_metrics
+    for key in ("test/mrr", "test/ndcg@5", "test/recall@4", "test/nmi"):
+        assert key in metrics, sorted(metrics)
+    assert "test/recall@2" not in metrics
+    # the weights are the checkpoint's: the same Recall@1 as a test with the checkpoint's own settings
+    same = build_cli(base).trainer.callback_metrics
+    assert float(same["test/recall@1"]) == pytest.approx(float(metrics["test/recall@1"]))
+    # an architecture setting that differs stays an error, naming the key and both values
+    code, _, err = _main(capsys, *base, "--model.metrics=[mrr]", "--model.embedding_dim=32")
+    assert code == 1 and "model.embedding_dim" in err and "32" in err and "metrics" not in err.split("error:")[1]
+
+
+def test_a_resumed_fit_may_evaluate_other_metrics(trained, tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(trained.read_bytes())
+    cli = build_cli([*FIT, f"--trainer.default_root_dir={run}", "--ckpt_path=last", "--trainer.max_epochs=2",
+                     "--model.metrics=[mrr]"])
+    assert cli.trainer.current_epoch == 2 and "val/mrr" in cli.trainer.callback_metrics
