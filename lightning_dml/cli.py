@@ -175,7 +175,9 @@ class DMLCLI(LightningCLI):
     checkpoints a preempted run can resume from, and the last validation metrics printed when ``fit`` ends.
 
     Checkpoints (both in ``<trainer.default_root_dir>/checkpoints`` unless ``--checkpoint.dirpath`` is given, so
-    the same command plus ``--ckpt_path last`` resumes a run; give each run its own ``default_root_dir``):
+    the same command plus ``--ckpt_path last`` resumes a run; give each run its own ``default_root_dir``: a fit
+    into a checkpoint folder holding another run's checkpoints is refused unless it resumes or is given
+    ``--overwrite_checkpoints true``, see :meth:`before_fit`):
 
     * ``--checkpoint.*``: a ``ModelCheckpoint`` keeping the best validation by ``val/recall@1``
       (``best-epoch=..-step=...ckpt``); ``ckpt_path="best"`` after ``fit`` uses it.
@@ -184,7 +186,8 @@ class DMLCLI(LightningCLI):
 
     ``--trainer.enable_checkpointing false`` turns both off.
 
-    ``predict`` writes ``<log_dir>/predictions.pt`` (embeddings, labels, indices, image paths, the checkpoint)
+    ``predict`` writes ``predictions.pt`` into the run's folder (:func:`~lightning_dml.runs.run_folder`;
+    embeddings, labels, indices, image paths, the checkpoint)
     with a :class:`~lightning_dml.callbacks.PredictionWriter`, unless ``--trainer.callbacks`` already has a
     prediction writer. Every run has a :class:`~lightning_dml.callbacks.ValidationSummary` (given through
     Lightning's ``trainer_defaults``), which prints the last validation metrics at the end of ``fit``.
@@ -202,7 +205,9 @@ class DMLCLI(LightningCLI):
       checkpoint is downloaded to the cache and read the same way (Lightning never loads the URL itself);
     * the model's hyper-parameters come from the checkpoint (LightningCLI's behaviour), and a value the config or
       the command line gives that differs from the checkpoint's (``--model.embedding_dim 32`` for a checkpoint
-      of width 16) is an error naming the key and both values, never silently replaced;
+      of width 16) is an error naming the key and both values, never silently replaced; the evaluation settings
+      (``metrics``, ``recall_at``, ``clustering``) may differ and are the given ones
+      (:meth:`before_instantiate_classes`);
     * ``validate``, ``test`` and ``predict`` without ``--ckpt_path`` evaluate the configuration's initial weights
       (a random head): one warning line says so, and the run records ``checkpoint: null`` (the logged
       hyper-parameters, the predictions file).
