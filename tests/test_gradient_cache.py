@@ -6,7 +6,10 @@ weights. The DDP case (2 gloo processes, ``gather_distributed``) is in tests/dis
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from functools import partial
+from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
@@ -19,6 +22,7 @@ from lightning_dml.data import BalancedClassSampler, TensorImageDataset
 from lightning_dml.losses import build_loss
 from lightning_dml.models import SmallConvNet, TimmBackbone
 from lightning_dml.module import DMLModule
+from tests.distributed.test_distributed_callbacks import _env  # the subprocess environment (no launcher variables)
 
 P, K = 4, 2  # 8 images per batch, chunks of 3: 3 + 3 + 2 (a ragged last chunk)
 CHUNK = 3
@@ -190,8 +194,8 @@ def test_invalid_chunk_size(bad):
 
 def _loader(dtype: torch.dtype) -> DataLoader:
     g = torch.Generator().manual_seed(0)
-    images = torch.randint(0, 256, (6 * 4, 3, 16, 16), dtype=torch.uint8, generator=g)
-    dataset = TensorImageDataset(images, torch.arange(6).repeat_interleave(4), mean=0.5, std=0.25)
+    images = torch.randint(0, 256, (6 * 20, 3, 16, 16), dtype=torch.uint8, generator=g)  # 10 batches an epoch
+    dataset = TensorImageDataset(images, torch.arange(6).repeat_interleave(20), mean=0.5, std=0.25)
     return DataLoader(dataset, batch_sampler=BalancedClassSampler(dataset.labels, 4, 3, seed=0))
 
 
@@ -229,3 +233,46 @@ def test_fit_warns_when_batch_norm_trains(monkeypatch):
     monkeypatch.undo()
     with pytest.warns(UserWarning, match="embedding_chunk_size=5 with .* BatchNorm"):
         _fit(5, freeze_bn=False, steps=1)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="gloo")
+def test_ddp_gather_distributed_chunked_equals_global_unchunked_step():
+    """2 gloo processes (tests/distributed/run_gradient_cache_ddp.py): MS, SupCon, NT-Xent, contrastive, triplet,
+    Proxy-Anchor with gather_distributed and ArcFace with plain DDP, chunked, equal one process holding the global
+    batch unchunked; DDP all-reduces once per bucket per step, as unchunked."""
+    script = Path(__file__).resolve().parent / "distributed" / "run_gradient_cache_ddp.py"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    assert "GRADIENT-CACHE-DDP-OK" in proc.stdout
+
+
+def test_first_pass_keeps_no_activations_and_backward_replays_one_chunk_at_a_time():
+    """Memory: the first pass keeps the chunks' inputs and, besides them, what the loss saves for its backward (a
+    small part of the unchunked step's activations); in the backward each chunk's second pass is followed by its backward before the next chunk's
+    second pass starts (so one chunk's activations are live at a time)."""
+    images, labels = _batch(torch.float64)
+
+    def saved_bytes(chunk: int | None) -> int:
+        module = _module(_vit, "multi_similarity", torch.float64, chunk)
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            module.training_step((images, labels), 1)
+        return total[0]
+
+    image_bytes = images.numel() * images.element_size()  # the chunks' inputs: kept for their second pass
+    assert (saved_bytes(CHUNK) - image_bytes) * 100 < saved_bytes(None) - image_bytes
+    module = _module(_vit, "multi_similarity", torch.float64, CHUNK)
+    block = module.backbone.model.blocks[0]
+    events: list[str] = []
+    block.register_forward_pre_hook(lambda m, args: events.append("forward"))
+    block.register_full_backward_hook(lambda m, gin, gout: events.append("backward"))
+    loss = module.training_step((images, labels), 1)
+    assert events == ["forward"] * 3
+    events.clear()
+    loss.backward()
+    assert events == ["forward", "backward"] * 3
