@@ -69,6 +69,33 @@ def test_p2sgrad_matches_pml(batch):
 
 
 @pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("margin,scale", [(4, 1.0), (3, 0.5), (2, 2.0), (1, 1.0)])
+def test_sphereface_matches_pml(batch, margin, scale):
+    """Raw (not unit) embeddings: the logits scale with their norms; every branch k of psi is visited."""
+    z, y = BATCHES[batch]()
+    classes = int(y.max()) + 1
+    torch.manual_seed(0)
+    theirs = pml_losses.SphereFaceLoss(classes, z.shape[1], margin=margin, scale=scale).double()
+    ours = build_loss("sphereface", num_classes=classes, embedding_dim=z.shape[1], margin=margin, scale=scale)
+    ours = ours.double()
+    with torch.no_grad():
+        ours.proxies.copy_(theirs.W.T)
+    assert_same(ours, theirs, z * torch.linspace(0.5, 2.0, z.shape[0], dtype=z.dtype)[:, None], y)
+
+
+def test_sphereface_psi_is_the_papers_piecewise_function():
+    """psi(theta) = (-1)^k cos(m theta) - 2k on [k pi/m, (k+1) pi/m] (SphereFace Eq. 6), from the angle itself."""
+    from lightning_dml.losses.sphereface import angular_margin_psi
+
+    theta = torch.linspace(0.0, torch.pi, 1001, dtype=torch.float64)
+    for m in (1, 2, 3, 4):
+        k = torch.floor(theta / (torch.pi / m)).clamp(max=m - 1)
+        want = (-1.0) ** k * torch.cos(m * theta) - 2 * k
+        torch.testing.assert_close(angular_margin_psi(torch.cos(theta), m), want, rtol=0, atol=1e-9)
+        assert bool((angular_margin_psi(torch.cos(theta), m).diff() <= 1e-12).all())  # decreasing in theta
+
+
+@pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("variant", ["O", "Ds", "Dq", "Iu", "Ib"])
 def test_pnp_matches_pml(batch, variant):
     z, y = BATCHES[batch]()
@@ -149,9 +176,10 @@ def test_label_sets_change_the_pair_losses():
         assert not torch.allclose(loss(z, label_sets(y)), loss(z, y)), case
 
 
-def test_p2sgrad_rejects_label_sets():
-    loss = build_loss("p2sgrad", num_classes=4, embedding_dim=8)
-    with pytest.raises(ValueError, match="P2SGradLoss cannot train on label sets"):
+@pytest.mark.parametrize("name", ["p2sgrad", "sphereface"])
+def test_classification_losses_reject_label_sets(name):
+    loss = build_loss(name, num_classes=4, embedding_dim=8)
+    with pytest.raises(ValueError, match=f"{type(loss).__name__} cannot train on label sets"):
         loss(torch.randn(4, 8), torch.tensor([[0, 1], [1, -1], [2, -1], [3, -1]]))
 
 
@@ -184,6 +212,10 @@ def test_tcm_counts_pairs_at_the_margin():
     torch.testing.assert_close(at, ((s - 0.5) * hard).sum() / hard.sum())
 
 
+#: every loss of this package, and those among them with class weights
+NAMES = ["p2sgrad", "pnp", "snr_contrastive", "sphereface", "threshold_consistent_margin"]
+CLASSIFICATION = ("p2sgrad", "sphereface")
+
 DEGENERATE = {
     "one_class": (torch.randn(6, 8, dtype=torch.float64), torch.zeros(6, dtype=torch.long)),
     "singletons": (torch.randn(6, 8, dtype=torch.float64), torch.arange(6)),
@@ -191,11 +223,11 @@ DEGENERATE = {
 }
 
 
-@pytest.mark.parametrize("name", ["p2sgrad", "pnp", "snr_contrastive", "threshold_consistent_margin"])
+@pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("batch", DEGENERATE)
 def test_degenerate_batches_finite(name, batch):
     z, y = DEGENERATE[batch]
-    kwargs = {"num_classes": 6, "embedding_dim": 8} if name == "p2sgrad" else {}
+    kwargs = {"num_classes": 6, "embedding_dim": 8} if name in CLASSIFICATION else {}
     loss = build_loss(name, **kwargs).double()
     z = z.clone().requires_grad_(True)
     value = loss(z, y)
@@ -221,7 +253,7 @@ def test_snr_zero_variance_anchor_is_finite():
 
 # --------------------------------------------------------------------------------------------------- the CLI
 @pytest.mark.slow  # a fit each (two training steps, no validation): a few seconds on a quiet machine
-@pytest.mark.parametrize("name", ["p2sgrad", "pnp", "snr_contrastive", "threshold_consistent_margin"])
+@pytest.mark.parametrize("name", NAMES)
 def test_fit_by_registry_name(name, tmp_path, monkeypatch):
     from lightning_dml.cli import build_cli
     from lightning_dml.losses import LOSSES
@@ -233,3 +265,12 @@ def test_fit_by_registry_name(name, tmp_path, monkeypatch):
     assert type(cli.model.loss) is LOSSES[name]
     assert cli.trainer.global_step == 2
     assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+
+
+def test_sphereface_zero_embedding_gives_uniform_logits():
+    loss = build_loss("sphereface", num_classes=5, embedding_dim=8).double()
+    z = torch.zeros(3, 8, dtype=torch.float64, requires_grad=True)
+    value = loss(z, torch.tensor([0, 1, 4]))
+    value.backward()
+    torch.testing.assert_close(value, torch.tensor(5.0, dtype=torch.float64).log())
+    assert torch.isfinite(z.grad).all()
