@@ -44,6 +44,7 @@ from lightning_dml.losses.supcon import SupConLoss
 from lightning_dml.losses.p2sgrad import P2SGradLoss
 from lightning_dml.losses.pnp import PNPLoss
 from lightning_dml.losses.snr_contrastive import SNRContrastiveLoss
+from lightning_dml.losses.sphereface import SphereFaceLoss
 from lightning_dml.losses.threshold_consistent_margin import ThresholdConsistentMarginLoss
 
 __all__ = [
@@ -83,4 +84,5 @@ __all__ = [
     "PNPLoss",
     "SNRContrastiveLoss",
     "ThresholdConsistentMarginLoss",
+    "SphereFaceLoss",
 ]
