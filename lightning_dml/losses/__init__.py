@@ -40,6 +40,12 @@ from lightning_dml.losses.ntxent import NTXentLoss
 from lightning_dml.losses.smooth_ap import SmoothAPLoss
 from lightning_dml.losses.supcon import SupConLoss
 
+# pml 2.x losses, part 3a (issue 29; each registers itself with @register_loss where it is defined)
+from lightning_dml.losses.dynamic_soft_margin import DynamicSoftMarginLoss
+from lightning_dml.losses.generalized_lifted_structure import GeneralizedLiftedStructureLoss
+from lightning_dml.losses.histogram import HistogramLoss
+from lightning_dml.losses.intra_pair_variance import IntraPairVarianceLoss
+
 # pml 2.x / 3.0 losses, part 3b (issue 29; each registers itself with @register_loss where it is defined)
 from lightning_dml.losses.p2sgrad import P2SGradLoss
 from lightning_dml.losses.pnp import PNPLoss
@@ -80,6 +86,10 @@ __all__ = [
     "NTXentLoss",
     "SmoothAPLoss",
     "SupConLoss",
+    "DynamicSoftMarginLoss",
+    "GeneralizedLiftedStructureLoss",
+    "HistogramLoss",
+    "IntraPairVarianceLoss",
     "P2SGradLoss",
     "PNPLoss",
     "SNRContrastiveLoss",
