@@ -4,7 +4,9 @@
   (``last.ckpt``, ``best-*.ckpt``: another run's, as ``<default_root_dir>/checkpoints`` is shared by every fit
   given the same ``--trainer.default_root_dir``) is refused with one :class:`RunFolderError` naming the folder, its
   files and the three ways on, unless the fit resumes from that folder (``--ckpt_path last``, ``hpc``, or a file in
-  it) or ``--overwrite_checkpoints true`` says to replace them (:func:`remove_checkpoints`, before the first step).
+  it, or a SLURM job requeued without ``--ckpt_path``, which Lightning resumes from the newest
+  ``<default_root_dir>/hpc_ckpt_*.ckpt``: :func:`slurm_requeue_resumes`) or ``--overwrite_checkpoints true`` says
+  to replace them (:func:`remove_checkpoints`, before the first step).
   Refusing rather than versioning keeps the documented layout (``<default_root_dir>/checkpoints/last.ckpt``), so
   the folder holds one run and ``--ckpt_path last`` (Lightning: the newest ``last.ckpt`` of the run's checkpoint
   folders) always means that run.
@@ -25,7 +27,14 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 
 from lightning_dml.errors import UserInputError
 
-__all__ = ["RunFolderError", "check_checkpoint_folders", "existing_checkpoints", "remove_checkpoints", "run_folder"]
+__all__ = [
+    "RunFolderError",
+    "check_checkpoint_folders",
+    "existing_checkpoints",
+    "remove_checkpoints",
+    "run_folder",
+    "slurm_requeue_resumes",
+]
 
 #: ``ckpt_path`` values that resume the run of the trainer's own checkpoint folders (Lightning resolves them)
 RESUMING_CKPT_PATHS = ("last", "hpc")
@@ -43,6 +52,14 @@ def existing_checkpoints(folders: Iterable[str | os.PathLike]) -> list[Path]:
         if folder.is_dir():
             found.update(p for p in folder.glob("*.ckpt"))
     return sorted(found)
+
+
+def slurm_requeue_resumes(default_root_dir: str | os.PathLike) -> bool:
+    """Whether a fit without ``ckpt_path`` resumes a requeued SLURM job: Lightning then restores the newest
+    ``hpc_ckpt_<n>.ckpt`` of ``default_root_dir`` when it runs under SLURM (its checkpoint connector's rule)."""
+    from lightning_fabric.plugins.environments import SLURMEnvironment
+
+    return SLURMEnvironment.detect() and any(Path(default_root_dir).expanduser().glob("hpc_ckpt_*.ckpt"))
 
 
 def _inside(path: Path, folders: Iterable[Path]) -> bool:

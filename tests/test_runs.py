@@ -141,3 +141,23 @@ def test_a_resumed_fit_may_evaluate_other_metrics(trained, tmp_path):
     cli = build_cli([*FIT, f"--trainer.default_root_dir={run}", "--ckpt_path=last", "--trainer.max_epochs=2",
                      "--model.metrics=[mrr]"])
     assert cli.trainer.current_epoch == 2 and "val/mrr" in cli.trainer.callback_metrics
+
+
+def test_a_requeued_slurm_job_resumes_and_is_not_refused(tmp_path, monkeypatch):
+    """A SLURM script that Lightning requeues runs without ``--ckpt_path`` (docs/cluster.md): Lightning resumes
+    it from ``<default_root_dir>/hpc_ckpt_<n>.ckpt``, so its own checkpoints are not another run's."""
+    from lightning_dml.runs import RunFolderError, check_checkpoint_folders, slurm_requeue_resumes
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    (folder / "last.ckpt").write_bytes(b"x")
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    with pytest.raises(RunFolderError, match="already holds the checkpoints of a run"):
+        check_checkpoint_folders([folder], None, overwrite=False)
+    (tmp_path / "hpc_ckpt_1.ckpt").write_bytes(b"x")
+    assert not slurm_requeue_resumes(tmp_path)  # not under SLURM: Lightning does not resume from it
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    monkeypatch.setenv("SLURM_JOB_NAME", "train")
+    assert slurm_requeue_resumes(tmp_path)
+    assert check_checkpoint_folders([folder], "hpc", overwrite=False) == []
+    assert check_checkpoint_folders([folder], None, overwrite=True) == [folder / "last.ckpt"]
