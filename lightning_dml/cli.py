@@ -43,7 +43,7 @@ from lightning_dml.download import env_flag, set_offline
 from lightning_dml.errors import CorruptFileError, UserInputError, user_error_message
 from lightning_dml.module import DERIVED_HPARAMS, DMLModule
 from lightning_dml.run_config import SaveRunConfig
-from lightning_dml.runs import check_checkpoint_folders, remove_checkpoints
+from lightning_dml.runs import check_checkpoint_folders, remove_checkpoints, slurm_requeue_resumes
 
 #: Trainer defaults of the ``lightning-dml`` command (a user's ``trainer_defaults`` to :class:`DMLCLI` adds to them)
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -383,7 +383,10 @@ class DMLCLI(LightningCLI):
         config = self.config["fit"]
         self.validation_summary.final_validation = bool(config.get("validate_at_end", True))
         folders = [cb.dirpath for cb in self.trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
-        replaced = check_checkpoint_folders(folders, config.get("ckpt_path"), bool(config.get("overwrite_checkpoints")))
+        ckpt_path = config.get("ckpt_path")
+        if ckpt_path is None and slurm_requeue_resumes(self.trainer.default_root_dir):
+            ckpt_path = "hpc"  # Lightning resumes the requeued job from its hpc_ckpt_*.ckpt
+        replaced = check_checkpoint_folders(folders, ckpt_path, bool(config.get("overwrite_checkpoints")))
         if replaced and self.trainer.is_global_zero:
             remove_checkpoints(replaced)
             _warn(f"--overwrite_checkpoints: removed {len(replaced)} checkpoint(s) of an earlier run from "
