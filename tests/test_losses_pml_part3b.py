@@ -176,9 +176,9 @@ def test_label_sets_change_the_pair_losses():
         assert not torch.allclose(loss(z, label_sets(y)), loss(z, y)), case
 
 
-@pytest.mark.parametrize("name", ["p2sgrad", "sphereface"])
-def test_classification_losses_reject_label_sets(name):
-    loss = build_loss(name, num_classes=4, embedding_dim=8)
+@pytest.mark.parametrize("name", ["p2sgrad", "sphereface", "vicreg"])
+def test_label_sets_rejected_with_the_reason(name):
+    loss = build_loss(name, **({} if name == "vicreg" else {"num_classes": 4, "embedding_dim": 8}))
     with pytest.raises(ValueError, match=f"{type(loss).__name__} cannot train on label sets"):
         loss(torch.randn(4, 8), torch.tensor([[0, 1], [1, -1], [2, -1], [3, -1]]))
 
@@ -213,7 +213,7 @@ def test_tcm_counts_pairs_at_the_margin():
 
 
 #: every loss of this package, and those among them with class weights
-NAMES = ["p2sgrad", "pnp", "snr_contrastive", "sphereface", "threshold_consistent_margin"]
+NAMES = ["p2sgrad", "pnp", "snr_contrastive", "sphereface", "threshold_consistent_margin", "vicreg"]
 CLASSIFICATION = ("p2sgrad", "sphereface")
 
 DEGENERATE = {
@@ -227,6 +227,7 @@ DEGENERATE = {
 @pytest.mark.parametrize("batch", DEGENERATE)
 def test_degenerate_batches_finite(name, batch):
     z, y = DEGENERATE[batch]
+    y = torch.arange(6) // 2 if name == "vicreg" else y  # its batch is pairs of views (more tests below)
     kwargs = {"num_classes": 6, "embedding_dim": 8} if name in CLASSIFICATION else {}
     loss = build_loss(name, **kwargs).double()
     z = z.clone().requires_grad_(True)
@@ -238,6 +239,9 @@ def test_degenerate_batches_finite(name, batch):
     if batch == "identical" and name == "pnp":
         # every s equal: R = |N_q| / 2 = 2 for each of the (positive, self) pairs; Dq gives 1 - 1/3
         torch.testing.assert_close(value, torch.tensor(2.0 / 3.0, dtype=torch.float64))
+    if batch == "identical" and name == "vicreg":
+        # invariance and covariance 0, each view's std sqrt(eps): mu (1 - sqrt(eps)) / 2 twice
+        torch.testing.assert_close(value, torch.tensor(25.0 * (1 - 1e-2), dtype=torch.float64))
     if batch == "identical" and name == "snr_contrastive":
         # distance 0 everywhere: only the negatives' hinge m2 - 0 = 1 is active
         torch.testing.assert_close(value, torch.tensor(1.0, dtype=torch.float64))
@@ -261,6 +265,8 @@ def test_fit_by_registry_name(name, tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     quick = ["--trainer.limit_train_batches=2", "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0"]
+    if name == "vicreg":  # two images of a class are the two views
+        quick.append("--data.init_args.samples_per_class=2")
     cli = build_cli(["fit", "--config", str(GLYPHS), *FAST, "--trainer.callbacks=[]", f"--model.loss={name}", *quick])
     assert type(cli.model.loss) is LOSSES[name]
     assert cli.trainer.global_step == 2
@@ -274,3 +280,61 @@ def test_sphereface_zero_embedding_gives_uniform_logits():
     value.backward()
     torch.testing.assert_close(value, torch.tensor(5.0, dtype=torch.float64).log())
     assert torch.isfinite(z.grad).all()
+
+
+# ------------------------------------------------------------------------------------------------------ VICReg
+def views(seed: int, n: int = 12, d: int = 10, noise: float = 0.3) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, d, generator=g, dtype=torch.float64) * torch.linspace(0.3, 1.5, d, dtype=torch.float64)
+    return z, z + noise * torch.randn(n, d, generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("seed,noise", [(0, 0.3), (1, 1.0), (2, 0.05)])
+@pytest.mark.parametrize("weights", [{}, {"invariance_lambda": 5.0, "variance_mu": 10.0, "covariance_v": 3.0, "eps": 1e-2}])
+def test_vicreg_matches_pml(seed, noise, weights):
+    """Both views get their gradient; the per-dimension stds straddle the hinge at 1 (scales 0.3 to 1.5)."""
+    z, r = views(seed, noise=noise)
+    n = z.shape[0]
+    loss = build_loss("vicreg", **weights)
+    theirs = pml_losses.VICRegLoss(**weights)
+    for view in (0, 1):
+        ours_fn = (lambda e, t: loss(e, t, r, torch.arange(n))) if view == 0 else (lambda e, t: loss(z, t, e, torch.arange(n)))
+        their_fn = (lambda e, t: theirs(e, ref_emb=r)) if view == 0 else (lambda e, t: theirs(z, ref_emb=e))
+        assert_same(ours_fn, their_fn, z if view == 0 else r, torch.arange(n))
+
+
+def test_vicreg_pairs_views_by_label_in_any_order():
+    """Shuffled, interleaved pairs: the first occurrence of a label is its view in Z (the variance and covariance
+    are per view, so swapping one pair's views changes them)."""
+    z, r = views(3)
+    n = z.shape[0]
+    want = build_loss("vicreg")(z, torch.arange(n), r, torch.arange(n))
+    g = torch.Generator().manual_seed(0)
+    first = torch.rand(n, generator=g, dtype=torch.float64)
+    perm = torch.argsort(torch.cat([first, first + torch.rand(n, generator=g, dtype=torch.float64)]))  # z_i before r_i
+    items, labels = torch.cat([z, r])[perm], torch.cat([torch.arange(n), torch.arange(n)])[perm] * 7 + 3
+    torch.testing.assert_close(build_loss("vicreg")(items, labels), want, rtol=1e-12, atol=1e-12)
+    # controls: a different pairing, and the views of one pair swapped, change the value
+    assert not torch.allclose(build_loss("vicreg")(items, labels.roll(1)), want)
+    swapped = items.clone()
+    a, b = (labels == labels[0]).nonzero().flatten()
+    swapped[[a, b]] = swapped[[b, a]]
+    assert not torch.allclose(build_loss("vicreg")(swapped, labels), want)
+
+
+@pytest.mark.parametrize("labels", [torch.tensor([0, 0, 1, 1, 1, 2]), torch.tensor([0, 1, 0, 2, 2, 3]),
+                                    torch.tensor([5, 5])])
+def test_vicreg_rejects_batches_that_are_not_pairs_of_views(labels):
+    with pytest.raises(ValueError, match="every label must occur exactly twice"):
+        build_loss("vicreg")(torch.randn(labels.numel(), 4), labels)
+
+
+def test_vicreg_bf16_and_autocast_run_in_fp32():
+    z, r = views(4)
+    items, labels = torch.cat([z, r]).float(), torch.cat([torch.arange(12), torch.arange(12)])
+    want = build_loss("vicreg")(items, labels)
+    value = build_loss("vicreg")(items.bfloat16(), labels)
+    assert value.dtype == torch.float32
+    assert abs(float(value) - float(want)) <= 1e-2 * max(1.0, abs(float(want)))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert build_loss("vicreg")(items, labels).dtype == torch.float32
