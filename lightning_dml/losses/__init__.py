@@ -52,6 +52,7 @@ from lightning_dml.losses.pnp import PNPLoss
 from lightning_dml.losses.snr_contrastive import SNRContrastiveLoss
 from lightning_dml.losses.sphereface import SphereFaceLoss
 from lightning_dml.losses.threshold_consistent_margin import ThresholdConsistentMarginLoss
+from lightning_dml.losses.vicreg import VICRegLoss
 
 __all__ = [
     "LOSSES",
@@ -95,4 +96,5 @@ __all__ = [
     "SNRContrastiveLoss",
     "ThresholdConsistentMarginLoss",
     "SphereFaceLoss",
+    "VICRegLoss",
 ]
