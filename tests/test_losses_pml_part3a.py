@@ -30,6 +30,8 @@ pml_losses = pytest.importorskip("pytorch_metric_learning.losses")
 pytestmark = pytest.mark.filterwarnings("ignore:Using a non-tuple sequence:UserWarning")
 
 NAMES = ["dynamic_soft_margin", "generalized_lifted_structure", "histogram", "intra_pair_variance"]
+#: every loss of this part (the CLI test)
+ALL_NAMES = [*NAMES, "large_margin_softmax"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -294,7 +296,7 @@ FAST = ["--trainer.max_epochs=1", "--trainer.limit_train_batches=1", "--trainer.
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", ALL_NAMES)
 def test_fit_by_registry_name(name, tmp_path, monkeypatch):
     """``lightning-dml fit --model.loss <name>``: one training step on the Glyphs slice of tests/test_cli.py, a
     finite training loss."""
@@ -305,3 +307,93 @@ def test_fit_by_registry_name(name, tmp_path, monkeypatch):
     cli = build_cli(["fit", "--config", str(ROOT / "configs" / "glyphs.yaml"), *FAST, f"--model.loss={name}"])
     assert type(cli.model.loss) is LOSSES[name]
     assert torch.isfinite(cli.trainer.callback_metrics["train/loss"])
+
+
+# ------------------------------------------------------------------------------------ Large-Margin Softmax
+def _lsoftmax_pair(num_classes: int, dim: int, margin: int, scale: float, seed: int = 0):
+    """Ours and pml's with the same weights (pml stores W transposed), both fp64."""
+    torch.manual_seed(seed)
+    ours = build_loss("large_margin_softmax", num_classes=num_classes, embedding_dim=dim, margin=margin,
+                      scale=scale).double()
+    theirs = pml_losses.LargeMarginSoftmaxLoss(num_classes, dim, margin=margin, scale=scale)
+    with torch.no_grad():
+        theirs.W.copy_(ours.proxies.detach().T.float())
+    return ours, theirs.double()
+
+
+def _angled_batch(proxies: torch.Tensor, labels: torch.Tensor, angles: torch.Tensor, norm: float = 2.0):
+    """Embeddings at the given angles from their class's weight vector (a random orthogonal direction each)."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.nn.functional.normalize(proxies[labels], dim=1)
+    r = torch.randn(w.shape, generator=g, dtype=w.dtype)
+    r = torch.nn.functional.normalize(r - (r * w).sum(1, keepdim=True) * w, dim=1)
+    return norm * (torch.cos(angles)[:, None] * w + torch.sin(angles)[:, None] * r)
+
+
+@pytest.mark.parametrize("margin", [1, 2, 3, 4])
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+@pytest.mark.parametrize("batch", ["random", "boundaries"])
+def test_large_margin_softmax_equals_pml(margin, scale, batch):
+    """Values and gradients (embeddings and weights) in fp64; "boundaries": target angles just below and above
+    every k pi / m, where psi changes branch."""
+    ours, theirs = _lsoftmax_pair(5, 8, margin, scale)
+    if batch == "random":
+        g = torch.Generator().manual_seed(margin)
+        z, y = torch.randn(20, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (20,), generator=g)
+    else:
+        ks = torch.arange(1, margin).repeat_interleave(2).double()
+        angles = torch.cat([ks * math.pi / margin + torch.tensor([-1e-3, 1e-3]).repeat(margin - 1),
+                            torch.tensor([0.05, math.pi - 0.05], dtype=torch.float64)])
+        y = torch.arange(angles.numel()) % 5
+        z = _angled_batch(ours.proxies.detach(), y, angles)
+    z1, z2 = z.clone().requires_grad_(True), z.clone().requires_grad_(True)
+    v1, v2 = ours(z1, y), theirs(z2, y)
+    v1.backward()
+    v2.backward()
+    torch.testing.assert_close(v1, v2, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(z1.grad, z2.grad, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(ours.proxies.grad, theirs.W.grad.T, rtol=1e-10, atol=1e-12)
+
+
+def test_large_margin_cosine_is_the_papers_psi():
+    """psi(theta) = (-1)^k cos(m theta) - 2k on a grid of angles (closed form with cos(m theta) itself), monotone
+    decreasing (L-Softmax Sec. 3.2), and the plain cosine for m = 1."""
+    from lightning_dml.losses.large_margin_softmax import large_margin_cosine
+
+    theta = torch.linspace(0.0, math.pi, 721, dtype=torch.float64)
+    for m in (1, 2, 3, 4, 6):
+        k = torch.floor(theta / (math.pi / m)).clamp(max=m - 1)
+        want = (-1.0) ** k * torch.cos(m * theta) - 2 * k
+        got = large_margin_cosine(torch.cos(theta), m)
+        inner = theta < math.pi  # at theta = pi, k = m (the paper's interval is closed): the same value
+        torch.testing.assert_close(got[inner], want[inner], rtol=1e-9, atol=1e-9)
+        assert (got[1:] <= got[:-1] + 1e-9).all()
+    torch.testing.assert_close(large_margin_cosine(torch.cos(theta), 1), torch.cos(theta))
+
+
+def test_large_margin_softmax_contract():
+    loss = build_loss("large_margin_softmax", num_classes=4, embedding_dim=6)
+    assert loss.gather_mode is None and not loss.supports_label_sets and not loss.needs_positive_pairs
+    z, y = torch.randn(8, 6), torch.arange(8) % 4
+    value = loss(z, y)
+    assert value.dtype == torch.float32 and torch.isfinite(value)
+    with pytest.raises(ValueError, match="cannot train on label sets"):
+        loss(z, torch.stack([y, y], dim=1))
+    with pytest.raises(ValueError, match="class indices"):
+        loss(z, y + 4)
+    for kw in ({"margin": 0}, {"margin": 2.5}, {"scale": 0.0}):
+        with pytest.raises(ValueError):
+            build_loss("large_margin_softmax", num_classes=4, embedding_dim=6, **kw)
+
+
+def test_large_margin_softmax_degenerate_batches():
+    """One class, identical embeddings: finite value and gradient; a zero embedding: all logits 0, the loss
+    log C."""
+    loss = build_loss("large_margin_softmax", num_classes=4, embedding_dim=6).double()
+    for z, y in [(torch.randn(6, 6, dtype=torch.float64), torch.zeros(6, dtype=torch.long)),
+                 (torch.ones(6, 6, dtype=torch.float64), torch.arange(6) % 4)]:
+        value, grad = value_and_grad(loss, z, y)
+        assert torch.isfinite(value) and torch.isfinite(grad).all()
+    z = torch.zeros(2, 6, dtype=torch.float64)
+    value = loss(z, torch.tensor([0, 1])).detach()
+    assert float(value) == pytest.approx(math.log(4))
