@@ -45,6 +45,7 @@ from lightning_dml.losses.dynamic_soft_margin import DynamicSoftMarginLoss
 from lightning_dml.losses.generalized_lifted_structure import GeneralizedLiftedStructureLoss
 from lightning_dml.losses.histogram import HistogramLoss
 from lightning_dml.losses.intra_pair_variance import IntraPairVarianceLoss
+from lightning_dml.losses.large_margin_softmax import LargeMarginSoftmaxLoss
 
 # pml 2.x / 3.0 losses, part 3b (issue 29; each registers itself with @register_loss where it is defined)
 from lightning_dml.losses.p2sgrad import P2SGradLoss
@@ -52,7 +53,6 @@ from lightning_dml.losses.pnp import PNPLoss
 from lightning_dml.losses.snr_contrastive import SNRContrastiveLoss
 from lightning_dml.losses.sphereface import SphereFaceLoss
 from lightning_dml.losses.threshold_consistent_margin import ThresholdConsistentMarginLoss
-from lightning_dml.losses.vicreg import VICRegLoss
 
 __all__ = [
     "LOSSES",
@@ -91,10 +91,10 @@ __all__ = [
     "GeneralizedLiftedStructureLoss",
     "HistogramLoss",
     "IntraPairVarianceLoss",
+    "LargeMarginSoftmaxLoss",
     "P2SGradLoss",
     "PNPLoss",
     "SNRContrastiveLoss",
     "ThresholdConsistentMarginLoss",
     "SphereFaceLoss",
-    "VICRegLoss",
 ]
