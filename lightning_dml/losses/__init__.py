@@ -53,6 +53,7 @@ from lightning_dml.losses.pnp import PNPLoss
 from lightning_dml.losses.snr_contrastive import SNRContrastiveLoss
 from lightning_dml.losses.sphereface import SphereFaceLoss
 from lightning_dml.losses.threshold_consistent_margin import ThresholdConsistentMarginLoss
+from lightning_dml.losses.vicreg import VICRegLoss
 
 __all__ = [
     "LOSSES",
@@ -97,4 +98,5 @@ __all__ = [
     "SNRContrastiveLoss",
     "ThresholdConsistentMarginLoss",
     "SphereFaceLoss",
+    "VICRegLoss",
 ]
