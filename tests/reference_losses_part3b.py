@@ -119,3 +119,25 @@ def tcm(z: Tensor, y: Tensor, lambda_plus=1.0, lambda_minus=1.0, margin_plus=0.9
     return out
 
 
+
+
+def _jaccard(y: Tensor, gy: Tensor, i: int, j: int) -> float:
+    a = {int(v) for v in (y[i] if y.ndim == 2 else y[i:i + 1]) if v >= 0}
+    b = {int(v) for v in (gy[j] if gy.ndim == 2 else gy[j:j + 1]) if v >= 0}
+    return len(a & b) / len(a | b) if a | b else 0.0
+
+
+def multi_supcon(z: Tensor, y: Tensor, temperature: float = 0.1, threshold: float = 0.3,
+                 ref: Tensor | None = None, ref_y: Tensor | None = None) -> Tensor:
+    """SupCon L_out (Khosla et al. Eq. 2) with positives J(Y_i, Y_j) > threshold; mean over anchors with one."""
+    g, gy = _gallery(z, y, ref, ref_y)
+    x, xg = _unit(z), _unit(g)
+    terms = []
+    for i in range(z.shape[0]):
+        others = [j for j in range(g.shape[0]) if j != i]
+        positives = [j for j in others if _jaccard(y, gy, i, j) > threshold]
+        if not positives:
+            continue
+        log_den = torch.logsumexp(torch.stack([x[i] @ xg[j] / temperature for j in others]), dim=0)
+        terms.append(sum(log_den - x[i] @ xg[p] / temperature for p in positives) / len(positives))
+    return sum(terms) / len(terms) if terms else z.new_zeros(())

@@ -122,6 +122,28 @@ def test_tcm_matches_pml(batch, margins):
     assert_same(build_loss("threshold_consistent_margin", **kwargs), theirs, z, y)
 
 
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("temperature", [0.1, 0.5])
+def test_multi_supcon_is_pml_supcon_for_one_label_per_item(batch, temperature):
+    """pml 3's MultiSupConLoss cannot be installed (Python 3.11); with one label per item the Jaccard similarity is
+    1 or 0 and it is SupCon, which pml 2.9 has (the batches hold negative pairs: pml's zero-loss special cases do
+    not apply)."""
+    z, y = BATCHES[batch]()
+    theirs = pml_losses.SupConLoss(temperature=temperature)
+    assert_same(build_loss("multi_supcon", temperature=temperature), theirs, z, y)
+
+
+def test_multi_supcon_threshold_is_strict_jaccard():
+    """{1, 2, 3} and {1}: J = 1/3, positive for t = 0.3, not for t = 0.4; {1, 2} and {1}: J = 1/2, not for t = 0.5."""
+    from lightning_dml.losses.multi_supcon import jaccard_positive_mask
+
+    sets = torch.tensor([[1, 2, 3], [1, -1, -1], [2, 1, -1], [-1, -1, -1], [3, 3, -1]])
+    for t, want in ((0.3, [[1, 1, 1, 0, 1], [1, 1, 1, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 0, 0, 0, 1]]),
+                    (0.4, [[1, 0, 1, 0, 0], [0, 1, 1, 0, 0], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]),
+                    (0.5, [[1, 0, 1, 0, 0], [0, 1, 0, 0, 0], [1, 0, 1, 0, 0], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]])):
+        assert jaccard_positive_mask(sets, sets, t).tolist() == [[bool(v) for v in row] for row in want], t
+
+
 # --------------------------------------------------------------------------------------- against the loop refs
 def test_p2sgrad_proxy_gradient_matches_loop_reference():
     z, y = trained_like_batch(0, 0.7, 0.45)
@@ -147,7 +169,13 @@ PAIR_CASES = {
     "pnp_Ib": (ref.pnp, {"variant": "Ib", "anneal": 0.02, "b": 3.0}),
     "snr_contrastive": (ref.snr_contrastive, {"neg_margin": 0.9}),
     "threshold_consistent_margin": (ref.tcm, {"margin_plus": 0.8, "margin_minus": 0.4}),
+    "multi_supcon": (ref.multi_supcon, {"temperature": 0.2}),
+    "multi_supcon_t05": (ref.multi_supcon, {"temperature": 0.2, "threshold": 0.5}),
 }
+
+
+def registry_name(case: str) -> str:
+    return case.split("_Ib")[0].split("_t05")[0]
 
 
 @pytest.mark.parametrize("case", PAIR_CASES)
@@ -162,7 +190,7 @@ def test_pair_losses_match_loop_reference(case, sets, with_ref):
     if with_ref:
         zr, yr = trained_like_batch(4, 0.85, 0.5, classes=4, per_class=2, dim=12)
         extra = {"ref": zr, "ref_y": label_sets(yr)[:, :1] if sets else yr}
-    loss = build_loss(case.split("_Ib")[0], **kwargs)
+    loss = build_loss(registry_name(case), **kwargs)
     ours = lambda e, t: loss(e, t, extra.get("ref"), extra.get("ref_y"))  # noqa: E731
     theirs = lambda e, t: fn(e, t, **kwargs, **extra)  # noqa: E731
     assert_same(ours, theirs, z, labels)
@@ -172,7 +200,7 @@ def test_label_sets_change_the_pair_losses():
     """Control: the second labels matter (otherwise the label-set comparisons above prove nothing)."""
     z, y = trained_like_batch(1, 0.85, 0.5, classes=4, per_class=3, dim=12)
     for case, (_, kwargs) in PAIR_CASES.items():
-        loss = build_loss(case.split("_Ib")[0], **kwargs)
+        loss = build_loss(registry_name(case), **kwargs)
         assert not torch.allclose(loss(z, label_sets(y)), loss(z, y)), case
 
 
@@ -198,7 +226,7 @@ def test_ties_match_loop_reference(case):
     z, y = tie_batch()
     if case == "threshold_consistent_margin":
         kwargs = {"margin_plus": 0.5, "margin_minus": 0.5}  # pairs exactly at both margins count (pml's <= / >=)
-    assert_same(build_loss(case.split("_Ib")[0], **kwargs), lambda e, t: fn(e, t, **kwargs), z, y)
+    assert_same(build_loss(registry_name(case), **kwargs), lambda e, t: fn(e, t, **kwargs), z, y)
 
 
 def test_tcm_counts_pairs_at_the_margin():
@@ -213,7 +241,7 @@ def test_tcm_counts_pairs_at_the_margin():
 
 
 #: every loss of this package, and those among them with class weights
-NAMES = ["p2sgrad", "pnp", "snr_contrastive", "sphereface", "threshold_consistent_margin", "vicreg"]
+NAMES = ["p2sgrad", "pnp", "snr_contrastive", "sphereface", "threshold_consistent_margin", "vicreg", "multi_supcon"]
 CLASSIFICATION = ("p2sgrad", "sphereface")
 
 DEGENERATE = {
