@@ -37,7 +37,9 @@ request never fails the requests batched with it and the server keeps serving: w
 empty body (400), a body over its limit (413), a body that does not arrive in time (408), a body that is not an
 image (400), a corrupt or truncated image (400), an image format other than JPEG/PNG (415), an image over the pixel
 limits (413), a bad query parameter (400: ``k`` outside ``1..MAX_K``, a bad ``rerank`` / ``threshold`` /
-``adaptive``), a bad JSON batch (400, also one nested too deeply). The checks run in
+``adaptive``), a bad JSON batch (400, also one nested too deeply). Every other error answer, on every route
+(LitServe's and FastAPI's 404, 405, 422, 504 timeouts, 503, 500), has the same shape ``{"error": "..."}``
+(:class:`JSONErrorMiddleware`, in front of every route). The checks run in
 :class:`SearchRequestMiddleware` (an ASGI middleware given to ``LitServer(middlewares=...)``), which also turns the
 raw image body into the JSON payload LitServe's request handler reads; decoding runs in a thread, off the event
 loop, at most ``DECODE_SLOTS`` images at a time per API server process. Should a search still fail in the model
@@ -58,6 +60,7 @@ import asyncio
 import base64
 import binascii
 import dataclasses
+import http
 import io
 import json
 import math
@@ -70,6 +73,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qs
 
+from lightning_dml.cli_parsing import CommandParser
 from lightning_dml.errors import UserInputError
 from lightning_dml.index.cut import CutOptionError, SearchCut
 from lightning_dml.index.rerank import RerankOptionError, parse_rerank
@@ -435,6 +439,92 @@ async def _send_json(send: Any, status: int, content: dict, close: bool = False)
     await send({"type": "http.response.body", "body": body})
 
 
+#: the most bytes of an error answer that :class:`JSONErrorMiddleware` reads to rewrite it (longer ones: cut)
+MAX_ERROR_BODY = 64 * 1024
+
+
+def error_message(status: int, content_type: str, body: bytes) -> str:
+    """The one-line ``error`` of an answer with ``status`` >= 400 from its body: the ``error`` of a JSON
+    ``{"error": ...}``, FastAPI's ``{"detail": ...}`` (a string, or the validation errors as ``where: what; ...``),
+    else the text itself; an empty body gives the status's name (``Not Found``)."""
+    text = body.decode("utf-8", "replace").strip()
+    if content_type.startswith("application/json"):
+        try:
+            doc = json.loads(text)
+        except ValueError:
+            doc = None
+        if isinstance(doc, dict):
+            detail = doc.get("error", doc.get("detail"))
+            if isinstance(detail, list):  # FastAPI's validation errors: [{"loc": [...], "msg": ...}, ...]
+                detail = "; ".join(
+                    f"{'.'.join(str(p) for p in d.get('loc', ()))}: {d.get('msg', d)}" if isinstance(d, dict)
+                    else str(d) for d in detail
+                )
+            if detail is not None:
+                text = detail if isinstance(detail, str) else json.dumps(detail)
+    if not text:
+        try:
+            text = http.HTTPStatus(status).phrase
+        except ValueError:
+            text = f"HTTP {status}"
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 3] + "..."
+
+
+class JSONErrorMiddleware:
+    """Every error answer of the server (status >= 400, on every route: LitServe's and FastAPI's own 404, 405, 422,
+    504 timeouts, 500s and plain-text answers, and :class:`SearchRequestMiddleware`'s 4xx) as one JSON shape,
+    ``{"error": "<one line>"}`` with ``Content-Type: application/json`` (:func:`error_message`); the status and the
+    other headers (``Allow``, ``Connection: close``, ``Retry-After``) are kept. An exception before any answer
+    is a 500 ``{"error": "internal server error ..."}`` (and goes on to the server's log). Answers below 400 pass
+    unchanged."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        held: dict[str, Any] = {}  # the start message of an error answer, while its body is read
+        chunks: list[bytes] = []
+        started = False
+
+        async def rewrite(message: dict) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if message["status"] < 400:
+                    await send(message)
+                else:
+                    held["start"] = message
+                return
+            if message["type"] != "http.response.body" or "start" not in held:
+                await send(message)
+                return
+            if sum(map(len, chunks)) < MAX_ERROR_BODY:
+                chunks.append(message.get("body", b""))
+            if message.get("more_body", False):
+                return
+            start = held.pop("start")
+            given = start.get("headers", [])
+            headers = [(k, v) for k, v in given if k.lower() not in (b"content-type", b"content-length")]
+            ctype = next((v.decode("latin-1").lower() for k, v in given if k.lower() == b"content-type"), "")
+            body = b"" if scope.get("method") == "HEAD" else json.dumps(
+                {"error": error_message(start["status"], ctype, b"".join(chunks)[:MAX_ERROR_BODY])}).encode()
+            headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+            await send({**start, "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
+        try:
+            await self.app(scope, receive, rewrite)
+        except Exception as error:
+            if not started:
+                await _send_json(send, 500, {"error": f"internal server error ({type(error).__name__}; see the "
+                                                      "server's log)"})
+            raise
+
+
 # --------------------------------------------------------------------------------------------- the LitAPI
 try:  # LitServe is the `serve` extra: the module imports without it, `lightning-dml serve` names the install
     import litserve as ls
@@ -570,12 +660,13 @@ def build_server(
         workers_per_device=workers_per_device,
         timeout=timeout,
         disable_openapi_url=True,  # no /openapi.json, hence no /docs either (FastAPI serves /docs from the schema)
-        middlewares=[(SearchRequestMiddleware, {"defaults": defaults, "limits": limits, "metric": metric})],
+        middlewares=[(SearchRequestMiddleware, {"defaults": defaults, "limits": limits, "metric": metric}),
+                     JSONErrorMiddleware],  # outside SearchRequestMiddleware: every route's answers
     )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="lightning-dml serve",
         description="HTTP search service (LitServe) over an index folder: POST /search?k=K with a JPEG/PNG body "
         "answers the top-k results as JSON; GET /health answers 200. See docs/serving.md.",

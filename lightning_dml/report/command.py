@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import pickle
+import re
 import time
 import zipfile
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ import torch
 
 from lightning_dml.errors import UserInputError
 from lightning_dml.metrics_format import format_metrics_line
+from lightning_dml.report.evaluation import evaluate_predictions, evaluation_settings
 from lightning_dml.report.folder import check_report_folder, claim_report_folder
 from lightning_dml.report.thumbnails import FORMATS, image_source
 from lightning_dml.report.writer import Report, write_report
@@ -78,10 +80,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _predict(configs: list[str], ckpt_path: str, out: Path, extra: list[str]) -> tuple[dict[str, Any], Any, bool]:
+def _predict(
+    configs: list[str], ckpt_path: str, out: Path, extra: list[str]
+) -> tuple[dict[str, Any], Any, Any, bool]:
     """Run ``lightning-dml predict`` (the CLI itself) writing ``out/predictions.pt``: (its data, the data module,
-    whether this process is rank 0). During the run the command line is predict's (:func:`~lightning_dml.protocol.
-    launch.fit_command`): the other processes of a DDP predict run ``lightning-dml predict`` alone."""
+    the model, whether this process is rank 0). During the run the command line is predict's
+    (:func:`~lightning_dml.protocol.launch.fit_command`): the other processes of a DDP predict run
+    ``lightning-dml predict`` alone."""
     from lightning_dml.callbacks.predictions import PredictionWriter, load_predictions
     from lightning_dml.cli import build_cli
     from lightning_dml.protocol.launch import fit_command
@@ -91,21 +96,22 @@ def _predict(configs: list[str], ckpt_path: str, out: Path, extra: list[str]) ->
     with fit_command(args):
         cli = build_cli()
     if not cli.trainer.is_global_zero:
-        return {}, cli.datamodule, False
+        return {}, cli.datamodule, cli.model, False
     writer = next(cb for cb in cli.trainer.callbacks if isinstance(cb, PredictionWriter))
     if writer.written_path is None:
         raise ReportError("lightning-dml predict wrote no predictions file (no item in the test split?)")
-    return load_predictions(writer.written_path), cli.datamodule, True
+    return load_predictions(writer.written_path), cli.datamodule, cli.model, True
 
 
-def _datamodule(configs: list[str], extra: list[str]) -> Any:
-    """The configured data module (the config's classes are instantiated as ``lightning-dml predict`` would)."""
+def _datamodule(configs: list[str], extra: list[str]) -> tuple[Any, Any]:
+    """The configured data module and model (the config's classes are instantiated as ``lightning-dml predict``
+    would)."""
     from lightning_dml.cli import build_cli
     from lightning_dml.protocol.launch import fit_command
 
     with fit_command([*(f"--config={c}" for c in configs), "--trainer.logger=false", *extra]):
         cli = build_cli(run=False)
-    return cli.datamodule
+    return cli.datamodule, cli.model
 
 
 def _test_images(datamodule: Any, indices: torch.Tensor | Any) -> tuple[Any, list[str] | None]:
@@ -120,6 +126,29 @@ def _test_images(datamodule: Any, indices: torch.Tensor | Any) -> tuple[Any, lis
         )
     names = getattr(datamodule, "class_names", None)
     return image_source(dataset=dataset), (list(names) if names else None)
+
+
+def run_name(path: str | Path) -> str:
+    """The run a checkpoint or predictions file belongs to: the folder holding it, or holding its ``checkpoints/``
+    folder (``logs/glyphs/checkpoints/last.ckpt`` -> ``glyphs``), with the folder above a ``version_N``
+    (``logs/glyphs/version_2/predictions.pt`` -> ``glyphs/version_2``)."""
+    folder = Path(path).resolve().parent
+    if folder.name == "checkpoints":
+        folder = folder.parent
+    if re.fullmatch(r"version_\d+", folder.name) and folder.parent.name:
+        return f"{folder.parent.name}/{folder.name}"
+    return folder.name
+
+
+def report_title(source: dict[str, Any], results: RetrievalResults, out: Path) -> str:
+    """The page's title: the run of the model (``--ckpt_path``, the checkpoint a predictions or results file was
+    made with, else the predictions or results file's folder; the report folder's name without any):
+    ``glyphs/version_0: retrieval report``."""
+    checkpoint = results.extra.get("checkpoint")
+    path = source.get("checkpoint") or (checkpoint.get("path") if isinstance(checkpoint, dict) else None)
+    path = path or source.get("predictions") or source.get("results")
+    run = run_name(path) if path else out.resolve().name
+    return f"{run}: retrieval report"
 
 
 def _first_line(error: BaseException) -> str:
@@ -187,25 +216,25 @@ def main(argv: Sequence[str]) -> Report | None:
     check_report_folder(out, options.overwrite)  # before any work: a foreign folder is refused, untouched
 
     start = time.perf_counter()
-    images = class_names = embeddings = indices = None
+    images = class_names = embeddings = indices = evaluated = None
     source: dict[str, Any] = {}
     if options.results is not None:
         results = _load_results(options.results)
         source["results"] = str(options.results)
         if options.config:
-            images, class_names = _test_images(_datamodule(options.config, extra), results.index)
+            images, class_names = _test_images(_datamodule(options.config, extra)[0], results.index)
         elif results.paths is not None:
             images = image_source(paths=results.paths, indices=results.index)
     else:
         if options.ckpt_path is not None:
             claim_report_folder(out, options.overwrite)  # predict writes DIR/predictions.pt
-            data, datamodule, rank_zero = _predict(options.config, options.ckpt_path, out, extra)
+            data, datamodule, model, rank_zero = _predict(options.config, options.ckpt_path, out, extra)
             if not rank_zero:
                 return None
             source["checkpoint"] = str(options.ckpt_path)
         else:
             data = _load_predictions(options.predictions)
-            datamodule = _datamodule(options.config, extra) if options.config else None
+            datamodule, model = _datamodule(options.config, extra) if options.config else (None, None)
             source["predictions"] = str(options.predictions)
         if data["embeddings"].shape[0] == 0:
             raise ReportError("the predictions hold no item (an empty test split?)")
@@ -218,6 +247,11 @@ def main(argv: Sequence[str]) -> Report | None:
         results = RetrievalResults.from_predictions(
             data, top_k=options.top_k, metric=options.metric, pair_histogram_bins=options.bins
         )
+        # what `lightning-dml test` computes for the model (its metrics, per category too), on these items
+        # (without a config, no model: the report's own Recall@K and the per-category figures)
+        settings = evaluation_settings(model, options.recall_at) if model is not None else {
+            "recall_at": tuple(options.recall_at), "clustering": False, "metrics": ()}
+        evaluated = evaluate_predictions(data, metric=options.metric, **settings)
     if class_names and results.class_names is None:
         results.class_names = [str(c) for c in class_names]
     if options.config:
@@ -226,7 +260,8 @@ def main(argv: Sequence[str]) -> Report | None:
         results, out, images=images, queries=queries, by=options.by, per_page=options.per_page,
         recall_at=options.recall_at, confused=options.confused, embeddings=embeddings, embedding_indices=indices,
         thumb_size=options.thumb_size, thumb_format=options.thumb_format,
-        title=options.title or f"Retrieval report: {out.resolve().name}", source=source, overwrite=options.overwrite,
+        title=options.title or report_title(source, results, out), source=source, overwrite=options.overwrite,
+        metrics=evaluated,
     )
     seconds = time.perf_counter() - start
     metrics = format_metrics_line(report.metrics)

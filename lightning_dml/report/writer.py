@@ -42,7 +42,7 @@ from lightning_dml.report.folder import LOCK, check_report_folder, claim_report_
 from lightning_dml.report.thumbnails import ImageSource, ThumbnailWriter
 from lightning_dml.retrieval import RetrievalResults
 
-__all__ = ["Report", "ignored_neighbors", "label_text", "report_data", "report_metrics", "write_report"]
+__all__ = ["Report", "ignored_neighbors", "label_text", "page_metrics", "report_data", "report_metrics", "write_report"]
 
 ASSETS = Path(__file__).parent / "assets"
 #: flags of a shown neighbour (``data-flag`` on the page): irrelevant, relevant, ignored (e.g. same sequence)
@@ -95,6 +95,27 @@ def report_metrics(results: RetrievalResults, recall_at: Sequence[int] = (1, 2, 
         out["r_precision"] = results.r_precision_mean()
     out["map"] = results.mean_average_precision()
     return out
+
+
+def page_metrics(
+    results: RetrievalResults, recall_at: Sequence[int] = (1, 2, 4, 8), metrics: dict[str, float] | None = None
+) -> tuple[dict[str, float], dict[str, Any] | None]:
+    """``(overall, per category)`` of the page: ``metrics`` (what ``lightning-dml test`` computes for the model,
+    :func:`~lightning_dml.report.evaluation.evaluate_predictions`; ``None``: those kept in ``results.extra``
+    under ``"metrics"``), then those of :func:`report_metrics` it lacks; the ``category/<name>/<metric>`` keys as
+    ``{"metrics": [names], "rows": [[category, value, ...], ...]}`` (``None`` without categories; a missing value
+    ``None``)."""
+    from lightning_dml.callbacks.summary import split_categories
+
+    given = metrics if metrics is not None else results.extra.get("metrics") or {}
+    overall, per_category = split_categories({k: float(v) for k, v in given.items()})
+    for name, value in report_metrics(results, recall_at).items():
+        overall.setdefault(name, value)
+    if not per_category:
+        return overall, None
+    names = list(dict.fromkeys(m for row in per_category.values() for m in row))
+    rows = [[category, *(_finite(row.get(m)) for m in names)] for category, row in per_category.items()]
+    return overall, {"metrics": names, "rows": rows}
 
 
 def ignored_neighbors(
@@ -163,10 +184,11 @@ def report_data(
     embedding_indices: torch.Tensor | None = None,
     title: str = "Retrieval report",
     source: dict[str, Any] | None = None,
+    metrics: dict[str, float] | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]], set[int]]:
     """``(summary, pages, items)``: the page's data without thumbnails (``items``: every item index the page
     shows). ``queries``: the worst queries shown (None: every query), ordered by ``by``
-    (:meth:`RetrievalResults.worst`)."""
+    (:meth:`RetrievalResults.worst`). ``metrics``: the model's evaluation metrics (:func:`page_metrics`)."""
     if per_page < 1:
         raise ValueError(f"per_page must be >= 1, got {per_page}")
     n_queries = results.query.size
@@ -208,7 +230,7 @@ def report_data(
         })
     per_class = [[c["class"], c["name"], c["queries"], c["items"], c["recall@1"], c["map@r"]]
                  for c in results.per_class()]
-    metrics = report_metrics(results, recall_at)
+    overall, categories = page_metrics(results, recall_at, metrics)
     ks = recall_curve_ks(results)
     gallery = int(results.is_gallery.sum()) if results.is_gallery is not None else int(results.index.size)
     summary = {
@@ -220,7 +242,8 @@ def report_data(
         "by": by,
         "per_page": per_page,
         "pages": len(pages),
-        "metrics": [[name, value] for name, value in metrics.items()],
+        "metrics": [[name, _finite(value)] for name, value in overall.items()],
+        "categories": categories,
         "curve": [[k, results.recall_at(k)] for k in ks],
         "per_class": per_class,
         "confused": pairs,
@@ -247,6 +270,7 @@ def write_report(
     source: dict[str, Any] | None = None,
     save_results: bool = True,
     overwrite: bool = False,
+    metrics: dict[str, float] | None = None,
 ) -> Report:
     """Write the report of ``results`` into the folder ``out`` (created; the page and data files are replaced,
     the thumbnails kept and reused). ``out`` must be new, empty or an earlier report unless ``overwrite``
@@ -270,12 +294,18 @@ def write_report(
         source: what the report was made from (shown in the page's header), e.g. ``{"predictions": path}``.
         save_results: also write ``results.npz``.
         overwrite: write into a folder that is not empty and not a report (replacing files of the report's names).
+        metrics: the model's evaluation metrics, as ``lightning-dml test`` computes them
+            (:func:`~lightning_dml.report.evaluation.evaluate_predictions`; with ``category/<name>/<metric>`` keys):
+            shown with those of :func:`report_metrics`, and kept in ``results.npz`` (``results.extra["metrics"]``)
+            for a rebuild from it. ``None``: those ``results`` keep, if any.
     """
     check_report_folder(out, overwrite, option="overwrite=True")
     summary, pages, items = report_data(
         results, queries=queries, by=by, per_page=per_page, recall_at=recall_at, confused=confused,
-        embeddings=embeddings, embedding_indices=embedding_indices, title=title, source=source,
+        embeddings=embeddings, embedding_indices=embedding_indices, title=title, source=source, metrics=metrics,
     )
+    if metrics is not None:
+        results.extra["metrics"] = {k: float(v) for k, v in metrics.items()}
     Path(out).mkdir(parents=True, exist_ok=True)
     with FileLock(str(Path(out) / LOCK)):  # two runs into one folder write one after the other
         folder = claim_report_folder(out, overwrite, option="overwrite=True")
@@ -313,5 +343,5 @@ def write_report(
         return Report(
             folder=folder, index=folder / "index.html", queries=summary["counts"]["shown"], pages=len(pages),
             thumbnails_written=writer.written, thumbnails_reused=writer.reused, unreadable=list(writer.failed),
-            metrics=dict(summary["metrics"]),
+            metrics={name: math.nan if value is None else value for name, value in summary["metrics"]},
         )

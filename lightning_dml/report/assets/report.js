@@ -29,7 +29,11 @@ var DMLReport = (function () {
     if (text !== undefined) node.textContent = text;
     return node;
   }
-  function pct(v, digits) { return v === null || v === undefined ? "\u2013" : (100 * v).toFixed(digits === undefined ? 1 : digits); }
+  // every figure as the commands print it (lightning_dml/metrics_format.py): rates in percent with two decimals,
+  // threshold@fmr (a score) with four
+  function pct(v, digits) { return v === null || v === undefined ? "\u2013" : (100 * v).toFixed(digits === undefined ? 2 : digits); }
+  function isRate(name) { return name.split("/").pop().indexOf("threshold@") !== 0; }
+  function metricValue(name, v) { return v === null || v === undefined ? "\u2013" : isRate(name) ? pct(v, 2) : v.toFixed(4); }
   function score(v) { return v === null || v === undefined ? "" : Math.abs(v) < 1000 ? v.toFixed(3) : v.toExponential(2); }
 
   // ------------------------------------------------------------------------------------ thumbnails
@@ -55,11 +59,22 @@ var DMLReport = (function () {
 
   function renderMetrics() {
     var table = el("table", {id: "metrics-values"});
-    table.appendChild(el("tr", {}, [el("th", {text: "metric"}), el("th", {text: "value (%)"})]));
+    var scores = S.metrics.some(function (m) { return !isRate(m[0]); }) ? "; threshold@fmr: score" : "";
+    table.appendChild(el("tr", {}, [el("th", {text: "metric"}), el("th", {text: "value (%" + scores + ")"})]));
     S.metrics.forEach(function (m) {
-      table.appendChild(el("tr", {"data-metric": m[0]}, [el("td", {text: m[0]}), el("td", {text: pct(m[1], 2), title: String(m[1])})]));
+      table.appendChild(el("tr", {"data-metric": m[0]}, [el("td", {text: m[0]}), el("td", {text: metricValue(m[0], m[1]), title: String(m[1])})]));
     });
     document.getElementById("metrics-table").appendChild(table);
+    if (S.categories) {  // per category of the queries: one row per category, one column per metric
+      var cats = el("table", {id: "category-values"});
+      cats.appendChild(el("tr", {}, [el("th", {text: "category"})].concat(S.categories.metrics.map(function (m) { return el("th", {text: m}); }))));
+      S.categories.rows.forEach(function (r) {
+        cats.appendChild(el("tr", {"data-category": r[0]}, [el("td", {text: r[0]})].concat(r.slice(1).map(function (v, i) {
+          return el("td", {text: metricValue(S.categories.metrics[i], v), title: String(v)});
+        }))));
+      });
+      document.getElementById("metrics-table").appendChild(cats);
+    }
     // Recall@K curve, log2 K axis
     var W = 400, H = 240, L = 44, R = 20, T = 12, B = 34;
     var ks = S.curve.map(function (p) { return p[0]; });
