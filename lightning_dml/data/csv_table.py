@@ -13,6 +13,7 @@ queries ranked against the gallery, gallery items of the query's sequence ignore
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -85,8 +86,11 @@ class CSVDataModule(ImageFilesDataModule):
     layout = TABLE_LAYOUT
     expected_counts: dict[str, int] = {}
 
-    def __init__(self, *args: Any, images_root: str | None = None, check_boxes: bool = True, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, root: str | os.PathLike, *args: Any, images_root: str | None = None, check_boxes: bool = True,
+                 **kwargs: Any) -> None:
+        # ``root`` declared here, not passed through ``*args``: ``--data.help CSVDataModule`` then documents it from
+        # this class's docstring (the table file), not as the benchmarks' dataset folder
+        super().__init__(root, *args, **kwargs)
         self.images_root = None if images_root is None else Path(images_root).expanduser()
         self.check_boxes = bool(check_boxes)
         #: the value of each class id, category id and sequence id (set when the table is read)

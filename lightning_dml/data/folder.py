@@ -25,6 +25,9 @@ CSV_SPLITS = ("train", "test", "query", "gallery")
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
 
+#: validation folder names a class-folder tree may have beside ``train/`` and ``test/``: not read (one warning says so)
+VALIDATION_FOLDERS = ("val", "valid", "validation")
+
 #: Folders that tools leave beside the images and that are never classes or images: macOS's archive resource forks.
 SKIPPED_FOLDERS = ("__MACOSX",)
 
@@ -50,7 +53,9 @@ class ImageFolderDataModule(ImageFilesDataModule):
     folders (names starting with ``.``, e.g. macOS's ``._<name>.jpg`` AppleDouble files, which carry an image
     extension but no image) and ``__MACOSX`` folders are skipped (:func:`is_hidden`); a class folder without any
     image file is not a class, and one warning names every such folder. An image reached twice (a class folder or file
-that is a symbolic link to another listed one) is an error naming both.
+that is a symbolic link to another listed one) is an error naming both. A ``val/`` (``valid/``, ``validation/``) folder beside
+    ``train/`` and ``test/`` is not read, and one warning says so and why (for a validation split of one's own:
+    :class:`~lightning_dml.data.CSVDataModule`'s ``validation`` rows).
 
     Args:
         *args, **kwargs: see :class:`~lightning_dml.data.files.ImageFilesDataModule` (``root``: the folder with
@@ -105,6 +110,14 @@ that is a symbolic link to another listed one) is an error naming both.
                     empty.append(f"{split}/{class_dir.name}")
             out[split] = items
         self._check_same_files(top, out)
+        ignored = [name for name in VALIDATION_FOLDERS if (top / name).is_dir()]
+        if ignored:
+            rank_zero_warn(
+                f"{self.dataset_name} at {top}: folder {', '.join(n + '/' for n in ignored)} is ignored: "
+                "ImageFolderDataModule reads train/ and test/ only and validates on test/ (the papers' protocol) or on "
+                "held-out training classes (val_classes_fraction, num_folds); for a validation split of your own, "
+                "list the images in a table with split 'validation' rows (CSVDataModule, docs/datasets.md)"
+            )
         if empty:
             rank_zero_warn(
                 f"{self.dataset_name} at {top}: {len(empty)} class folder(s) without any image file are ignored "
