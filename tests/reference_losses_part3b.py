@@ -141,3 +141,20 @@ def multi_supcon(z: Tensor, y: Tensor, temperature: float = 0.1, threshold: floa
         log_den = torch.logsumexp(torch.stack([x[i] @ xg[j] / temperature for j in others]), dim=0)
         terms.append(sum(log_den - x[i] @ xg[p] / temperature for p in positives) / len(positives))
     return sum(terms) / len(terms) if terms else z.new_zeros(())
+
+
+def decoupled_contrastive(z: Tensor, y: Tensor, temperature: float = 0.1,
+                          ref: Tensor | None = None, ref_y: Tensor | None = None) -> Tensor:
+    """DCL (Yeh et al., ECCV 2022): -s_ip / tau + log sum_n exp(s_in / tau) over the positive pairs whose anchor has
+    a negative; their mean."""
+    g, gy = _gallery(z, y, ref, ref_y)
+    x, xg = _unit(z), _unit(g)
+    terms = []
+    for i in range(z.shape[0]):
+        others = [j for j in range(g.shape[0]) if j != i]
+        negatives = [j for j in others if not _same(y, gy, i, j)]
+        if not negatives:
+            continue
+        log_den = torch.logsumexp(torch.stack([x[i] @ xg[n] / temperature for n in negatives]), dim=0)
+        terms += [log_den - x[i] @ xg[p] / temperature for p in others if _same(y, gy, i, p)]
+    return sum(terms) / len(terms) if terms else z.new_zeros(())

@@ -144,6 +144,25 @@ def test_multi_supcon_threshold_is_strict_jaccard():
         assert jaccard_positive_mask(sets, sets, t).tolist() == [[bool(v) for v in row] for row in want], t
 
 
+@pytest.mark.parametrize("batch", ["random_k2", "at_lambda"])
+def test_decoupled_contrastive_is_pml_ntxent_without_the_positive_in_the_denominator(batch):
+    """Per positive pair, NT-Xent - DCL = log(1 + e^{s_ip/tau} / sum_n e^{s_in/tau}) (the positive's share of
+    NT-Xent's denominator): checked through pml 2.9's NTXentLoss, values and gradients."""
+    z, y = BATCHES[batch]()
+    tau = 0.2
+
+    def shares(e, t):
+        x = torch.nn.functional.normalize(e, dim=1)
+        logits = x @ x.T / tau
+        same = t[:, None] == t[None, :]
+        pos = same & ~torch.eye(len(t), dtype=torch.bool)
+        lse_neg = torch.logsumexp(logits.masked_fill(same, -torch.inf), dim=1)
+        return torch.nn.functional.softplus(logits - lse_neg[:, None])[pos].mean()
+
+    ours = lambda e, t: build_loss("decoupled_contrastive", temperature=tau)(e, t) + shares(e, t)  # noqa: E731
+    assert_same(ours, pml_losses.NTXentLoss(temperature=tau), z, y)
+
+
 # --------------------------------------------------------------------------------------- against the loop refs
 def test_p2sgrad_proxy_gradient_matches_loop_reference():
     z, y = trained_like_batch(0, 0.7, 0.45)
@@ -171,6 +190,8 @@ PAIR_CASES = {
     "threshold_consistent_margin": (ref.tcm, {"margin_plus": 0.8, "margin_minus": 0.4}),
     "multi_supcon": (ref.multi_supcon, {"temperature": 0.2}),
     "multi_supcon_t05": (ref.multi_supcon, {"temperature": 0.2, "threshold": 0.5}),
+    "decoupled_contrastive": (ref.decoupled_contrastive, {"temperature": 0.1}),
+    "decoupled_contrastive_t05": (ref.decoupled_contrastive, {"temperature": 0.5}),
 }
 
 
@@ -241,7 +262,8 @@ def test_tcm_counts_pairs_at_the_margin():
 
 
 #: every loss of this package, and those among them with class weights
-NAMES = ["p2sgrad", "pnp", "snr_contrastive", "sphereface", "threshold_consistent_margin", "vicreg", "multi_supcon"]
+NAMES = ["p2sgrad", "pnp", "snr_contrastive", "sphereface", "threshold_consistent_margin", "vicreg", "multi_supcon",
+         "decoupled_contrastive"]
 CLASSIFICATION = ("p2sgrad", "sphereface")
 
 DEGENERATE = {
@@ -267,6 +289,10 @@ def test_degenerate_batches_finite(name, batch):
     if batch == "identical" and name == "pnp":
         # every s equal: R = |N_q| / 2 = 2 for each of the (positive, self) pairs; Dq gives 1 - 1/3
         torch.testing.assert_close(value, torch.tensor(2.0 / 3.0, dtype=torch.float64))
+    if batch == "one_class" and name == "decoupled_contrastive":
+        assert float(value) == 0.0 and float(z.grad.abs().max()) == 0.0  # no negatives: no denominator, no term
+    if batch == "identical" and name == "decoupled_contrastive":
+        torch.testing.assert_close(value, torch.tensor(4.0, dtype=torch.float64).log())  # log |N_i| = log 4
     if batch == "identical" and name == "vicreg":
         # invariance and covariance 0, each view's std sqrt(eps): mu (1 - sqrt(eps)) / 2 twice
         torch.testing.assert_close(value, torch.tensor(25.0 * (1 - 1e-2), dtype=torch.float64))
