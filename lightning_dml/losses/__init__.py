@@ -49,6 +49,7 @@ from lightning_dml.losses.large_margin_softmax import LargeMarginSoftmaxLoss
 
 # pml 2.x / 3.0 losses, part 3b (issue 29; each registers itself with @register_loss where it is defined)
 from lightning_dml.losses.p2sgrad import P2SGradLoss
+from lightning_dml.losses.decoupled_contrastive import DecoupledContrastiveLoss
 from lightning_dml.losses.multi_supcon import MultiSupConLoss
 from lightning_dml.losses.pnp import PNPLoss
 from lightning_dml.losses.snr_contrastive import SNRContrastiveLoss
@@ -101,4 +102,5 @@ __all__ = [
     "SphereFaceLoss",
     "VICRegLoss",
     "MultiSupConLoss",
+    "DecoupledContrastiveLoss",
 ]
