@@ -9,15 +9,17 @@ gallery:
    applied; the captured counts of each normaliser are summed over the blocks and reduced once by
    :func:`~lightning_dml.losses.base.batch_normaliser` (so under DDP's ``global_reduction`` there is one
    all-reduce per normaliser, exactly as the unchunked loss does);
-2. **value** (no graph): every block is evaluated again with those global normalisers fixed, and the block values
-   are summed: ``L = sum_blocks T_b / N``, the unchunked value;
+2. **value** (no graph): ``L = sum_blocks T_b / N``, the unchunked value. With one scalar normaliser (all the
+   supporting losses but the contrastive loss, whose positive and negative terms have their own counts), the
+   capture pass already gave ``T_b`` (the block's loss with ``N = 1``); otherwise every block is evaluated again
+   with the global normalisers fixed and the block values are summed;
 3. **backward**: :class:`AnchorChunkedLoss` recomputes every block with its graph, back-propagates the incoming
    gradient through it and frees it before the next block.
 
 Each block sees the gallery with its own anchors moved to the front (the gallery order the losses expect: the
 anchors are the gallery's first rows, their self-pairs removed by index), so every loss runs unchanged. The memory
 held at any time is one block's ``c x N`` matrices and their graph: ``O(c N)`` instead of ``O(B N)``; the cost is
-two extra forward passes of the loss (not of the model). The value and the gradients equal the unchunked loss up to
+one extra forward pass of the loss (two for the contrastive loss), not of the model. The value and the gradients equal the unchunked loss up to
 the order of floating-point sums (tests/test_losses_anchor_chunks.py). Losses are deterministic functions of their
 inputs here (the recomputation must give the same blocks); a loss with random choices does not support chunking.
 Double backward through a chunked loss is not supported.
@@ -115,17 +117,21 @@ def _block_value(block: BlockLoss, gallery: Tensor, labels: Tensor, gallery_labe
 class AnchorChunkedLoss(torch.autograd.Function):
     """``sum_blocks block_b(gallery)`` under fixed normalisers, with each block recomputed in the backward.
 
-    ``forward(ctx, run, gallery, *params)``: ``run(b, gallery)`` is block ``b``'s loss (global normalisers fixed
-    inside); ``params`` are the loss's learnable parameters, which receive their gradient from the recomputation.
+    ``forward(ctx, run, num_blocks, value, gallery, *params)``: ``run(b, gallery)`` is block ``b``'s loss (global
+    normalisers fixed inside); ``value`` is the loss if already known (else the blocks are summed); ``params`` are
+    the loss's learnable parameters, which receive their gradient from the recomputation.
     """
 
     @staticmethod
-    def forward(ctx, run: Callable[[int, Tensor], Tensor], num_blocks: int, gallery: Tensor,  # type: ignore[override]
-                *params: Tensor) -> Tensor:
-        with torch.no_grad():
-            total = run(0, gallery)
-            for b in range(1, num_blocks):
-                total = total + run(b, gallery)
+    def forward(ctx, run: Callable[[int, Tensor], Tensor], num_blocks: int,  # type: ignore[override]
+                value: Tensor | None, gallery: Tensor, *params: Tensor) -> Tensor:
+        if value is not None:
+            total = value.clone()
+        else:
+            with torch.no_grad():
+                total = run(0, gallery)
+                for b in range(1, num_blocks):
+                    total = total + run(b, gallery)
         ctx.run, ctx.num_blocks = run, num_blocks
         ctx.save_for_backward(gallery, *params)
         return total
@@ -133,10 +139,10 @@ class AnchorChunkedLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):  # type: ignore[override]
         gallery, *params = ctx.saved_tensors
-        wanted = [i for i, t in enumerate([gallery, *params]) if ctx.needs_input_grad[2 + i]]
+        wanted = [i for i, t in enumerate([gallery, *params]) if ctx.needs_input_grad[3 + i]]
         grads: list[Tensor | None] = [None] * (1 + len(params))
         if not wanted:
-            return (None, None, *grads)
+            return (None, None, None, *grads)
         with torch.enable_grad(), torch.autocast(device_type=gallery.device.type, enabled=False):
             for b in range(ctx.num_blocks):
                 g = gallery.detach().requires_grad_(True)
@@ -146,7 +152,7 @@ class AnchorChunkedLoss(torch.autograd.Function):
                 for i, d in zip(wanted, got):
                     if d is not None:
                         grads[i] = d if grads[i] is None else grads[i] + d
-        return (None, None, *grads)
+        return (None, None, None, *grads)
 
 
 def anchor_chunked_loss(
@@ -170,11 +176,13 @@ def anchor_chunked_loss(
     spans = anchor_blocks(anchors.shape[0], g.shape[0], chunk, anchors.device)
     # 1. the normalisers' counts, summed over the blocks
     captured: list[list[object]] = []
+    unnormalised = []  # each block's loss with every normaliser 1
     with torch.no_grad():
         for span in spans:
             with _normalisers(_Normalisers()) as state:
                 like = _block_value(block, g, labels, gallery_labels, span)
             captured.append(state.counts)
+            unnormalised.append(like)
     if any(len(c) != len(captured[0]) for c in captured):
         raise RuntimeError("the loss called batch_normaliser a different number of times in different anchor blocks")
     fixed = []
@@ -182,6 +190,11 @@ def anchor_chunked_loss(
         parts = [c[k] for c in captured]
         total = None if parts[0] is None else sum(parts[1:], parts[0])
         fixed.append(reduce_count(total, like))
+    value = None
+    if len(fixed) == 1 and fixed[0].ndim == 0:  # L = (sum_b T_b) / N: the capture pass gave the T_b
+        value = torch.stack(unnormalised).sum() / fixed[0]
+        if not bool(torch.isfinite(value)):  # a sum beyond the float range whose mean is not: sum T_b / N instead
+            value = None
 
     # 2. + 3. the value under the global normalisers, each block recomputed with its graph in the backward
     def run(b: int, gallery_: Tensor) -> Tensor:
@@ -191,4 +204,4 @@ def anchor_chunked_loss(
             raise RuntimeError("the loss called batch_normaliser a different number of times than its capture pass")
         return out
 
-    return AnchorChunkedLoss.apply(run, len(spans), g, *params)
+    return AnchorChunkedLoss.apply(run, len(spans), value, g, *params)
