@@ -32,6 +32,8 @@ class CircleLoss(PairLoss):
             retrieval; default 0.25, pml's default 0.4).
         gamma: scale factor (paper: 256 face recognition, 128 re-ID, 80 fine-grained retrieval; default 256,
             pml's default 80).
+        anchor_chunk_size: score the anchors this many at a time, each block's ``B x N`` matrices recomputed in
+            the backward (memory ``O(chunk x N)``, same value and gradients; :mod:`lightning_dml.losses.chunking`).
 
     Degenerate batches: an anchor without a positive or without a negative has no term (Eq. 6 gives 0 for it,
     and it does not count in the mean); a batch without any such anchor (one class, all singletons) gives 0

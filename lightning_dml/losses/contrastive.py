@@ -52,6 +52,8 @@ class ContrastiveLoss(PairLoss):
         reduction: ``"mean_nonzero"`` (default; positive and negative terms each averaged over their non-zero
             pairs and added, as pytorch-metric-learning does), ``"mean"`` (each averaged over all its pairs) or
             ``"sum"`` (the equation literally).
+        anchor_chunk_size: score the anchors this many at a time, each block's ``B x N`` matrices recomputed in
+            the backward (memory ``O(chunk x N)``, same value and gradients; :mod:`lightning_dml.losses.chunking`).
 
     Degenerate batches: no positive (negative) pair or none with a non-zero term -> that term is 0; a batch
     without any active pair gives 0 with zero gradient.

@@ -29,6 +29,8 @@ class FastAPLoss(PairLoss):
 
     Args:
         num_bins: ``L`` (default 10, the authors' code and pml).
+        anchor_chunk_size: score the anchors this many at a time, each block's ``B x N`` matrices recomputed in
+            the backward (memory ``O(chunk x N)``, same value and gradients; :mod:`lightning_dml.losses.chunking`).
 
     Degenerate batches: a query without a positive has no term; a batch without positive pairs gives 0 with zero
     gradient. A single-class batch gives FastAP = 1 (loss 0).

@@ -34,6 +34,8 @@ class LiftedStructureLoss(PairLoss):
         margin: ``m`` of the first three variants (original paper 1.0).
         variant: one of ``"original"``, ``"gpw"``, ``"generalized"``, ``"star"``.
         alpha, beta: scales of ``"star"`` (MS Table 2: 2 and 50).
+        anchor_chunk_size: as in the other pair losses (:mod:`lightning_dml.losses.chunking`); ``"generalized"``
+            and ``"star"`` only (the other two couple the rows of both items of a pair).
 
     ``"original"`` and ``"gpw"`` need the negatives of the positive item ``j`` too, so they cannot score against
     reference items (ValueError); ``"generalized"`` and ``"star"`` can.

@@ -42,6 +42,8 @@ class MultiSimilarityLoss(PairLoss):
         on_empty: ``"keep"`` (formula-faithful) keeps the non-empty term of an anchor whose other mined set is
             empty; ``"skip"`` (the released code's rule) drops the whole anchor if either mined set is empty.
             Skipped anchors still count in the 1/B divisor.
+        anchor_chunk_size: score the anchors this many at a time, each block's ``B x N`` matrices recomputed in
+            the backward (memory ``O(chunk x N)``, same value and gradients; :mod:`lightning_dml.losses.chunking`).
 
     Degenerate batches: an anchor with no mined pair (one class, one-sample class, easy batch) contributes 0;
     the loss of a batch with no mined pair at all is exactly 0 with zero gradient.

@@ -34,6 +34,8 @@ class NCALoss(PairLoss):
     Args:
         scale: ``s`` (the NCA paper has none: ``A`` absorbs it; 1 as pml's ``softmax_scale``).
         objective: ``"log"`` or ``"expected"``.
+        anchor_chunk_size: score the anchors this many at a time, each block's ``B x N`` matrices recomputed in
+            the backward (memory ``O(chunk x N)``, same value and gradients; :mod:`lightning_dml.losses.chunking`).
 
     Degenerate batches: an anchor without a positive has no term and does not count; a batch without positive
     pairs gives 0 with zero gradient. A single-class batch gives ``p_i = 1`` for all anchors (loss 0, resp. -1).

@@ -30,6 +30,8 @@ class NTXentLoss(TemperaturePairLoss):
     Args:
         temperature: ``tau``. Default 0.1: SimCLR's Table 5 finds 0.1 best for its batch sizes and its
             ImageNet runs use 0.1 (its CIFAR-10 runs 0.5); pytorch-metric-learning's default is 0.07.
+        anchor_chunk_size: score the anchors this many at a time, each block's ``B x N`` matrices recomputed in
+            the backward (memory ``O(chunk x N)``, same value and gradients; :mod:`lightning_dml.losses.chunking`).
 
     Degenerate batches: no positive pair -> 0 with zero gradient; a positive pair whose anchor has no negative
     contributes ``-log 1 = 0`` and counts in the mean (as in pml); a single-class batch gives 0.

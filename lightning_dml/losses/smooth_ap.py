@@ -33,6 +33,8 @@ class SmoothAPLoss(TemperaturePairLoss):
 
     Args:
         temperature: ``tau`` of the sigmoid (paper 0.01).
+        anchor_chunk_size: score the anchors this many at a time, each block's ``B x N`` matrices recomputed in
+            the backward (memory ``O(chunk x N)``, same value and gradients; :mod:`lightning_dml.losses.chunking`).
 
     pytorch-metric-learning's ``SmoothAPLoss`` (and the authors' code it follows) keeps the query in its own
     gallery and in its own positive set (one more positive at similarity 1) and needs equal class counts in

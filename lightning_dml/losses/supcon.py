@@ -31,6 +31,8 @@ class SupConLoss(TemperaturePairLoss):
         temperature: ``tau``. Default 0.1, the value the paper's text reports for its experiments (and
             pytorch-metric-learning's default); the authors' released code defaults to 0.07 and also rescales the
             loss by ``tau / 0.07``, which we do not (it only multiplies the loss by a constant).
+        anchor_chunk_size: score the anchors this many at a time, each block's ``B x N`` matrices recomputed in
+            the backward (memory ``O(chunk x N)``, same value and gradients; :mod:`lightning_dml.losses.chunking`).
 
     Degenerate batches: an anchor without a positive has no term and does not count in the mean; a batch without
     any positive pair gives 0 with zero gradient. A batch of one class (no negatives) is still defined (each

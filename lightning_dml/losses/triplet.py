@@ -36,6 +36,8 @@ class TripletLoss(PairLoss):
         squared: squared distances (Eq. 37).
         reduction: ``"mean_nonzero"`` (default: mean over triplets with a non-zero hinge, as pytorch-metric-
             learning's AvgNonZeroReducer), ``"mean"`` (over all considered triplets) or ``"sum"``.
+        anchor_chunk_size: score the anchors this many at a time, each block's ``B x N`` matrices recomputed in
+            the backward (memory ``O(chunk x N)``, same value and gradients; :mod:`lightning_dml.losses.chunking`).
 
     Degenerate batches: no valid triplet (one class, no anchor with both a positive and a negative) or no violating
     triplet -> 0 with zero gradient.
