@@ -222,3 +222,109 @@ def test_the_worked_examples_glyphs_table(tmp_path):
     assert data.val_dataset is not data.test_dataset and data.category_names == sorted(data.category_names)
     assert set(data.sequence_names) == {"Computer Modern", "DejaVu Sans", "DejaVu Sans Mono", "DejaVu Serif",
                                         "STIX General"}
+
+
+def _newest(root: Path, pattern: str) -> Path:
+    """The newest file matching ``pattern`` under ``root`` (fit folders, predict's output: where a run puts them)."""
+    found = sorted(root.rglob(pattern), key=lambda p: p.stat().st_mtime_ns)
+    assert found, f"no {pattern} under {root}"
+    return found[-1]
+
+
+def _printed_table(text: str, title: str) -> dict[str, str]:
+    """``{metric: printed value}`` of the overall table that follows ``title`` in a command's output."""
+    block = text.split(title, 1)[1].split("\n\n", 1)[0]
+    return {line.split()[0]: line.split()[1] for line in block.strip().splitlines()[1:] if len(line.split()) == 2}
+
+
+@pytest.mark.slow
+def test_the_first_day_walk_through(tmp_path, monkeypatch, capsys):
+    """docs/own_task.md section 6, on a tiny table: own table -> fit -> test -> report -> index -> search -> serve ->
+    predict -> export -> plain PyTorch. Checks the structure, not figures: every command succeeds, its output exists,
+    and the outputs agree (report's Recall@1 is test's, printed alike; search finds a gallery image itself, and
+    serve answers as search; plain PyTorch on the export folder gives predict's embedding of the same image)."""
+    import json
+    import shutil
+    import signal
+    import time
+
+    from PIL import Image
+    from torchvision.transforms import InterpolationMode
+    from torchvision.transforms import functional as TF
+
+    from lightning_dml.cli import main
+    from lightning_dml.export import load_embedding_model
+    from lightning_dml.export import main as export_main
+    from tests.test_serve import _free_port, _request
+
+    monkeypatch.chdir(tmp_path)
+    table = make_oml_table(tmp_path / "shop", train_labels=6, validation_labels=4, per_label=4, boxes=False)
+    tiny = ["--data.init_args.root", str(table.file), "--data.init_args.categories_per_batch", "2",
+            "--data.init_args.classes_per_batch", "2", "--data.init_args.samples_per_class", "2",
+            "--data.init_args.num_workers", "0", "--model.backbone.init_args.width", "4",
+            "--trainer.enable_progress_bar", "false"]
+    main(["fit", "--config", str(CONFIG), *tiny, "--trainer.max_epochs", "1"])
+    last = _newest(tmp_path / "logs", "last.ckpt")
+    # the config fit saves: every later command takes it (a copy: a later command may save its own beside it)
+    saved = Path(shutil.copy(_newest(tmp_path / "logs", "config.yaml"), tmp_path / "fit_config.yaml"))
+    capsys.readouterr()
+
+    main(["test", "--config", str(saved), "--ckpt_path", str(last)])
+    tested = _printed_table(capsys.readouterr().out, "Test metrics, %:")
+    assert {"recall@1", "mrr", "ndcg@10", "threshold@fmr=0.01"} <= set(tested)
+
+    main(["report", "--out", "report", "--config", str(saved), "--ckpt_path", str(last), "--queries", "5"])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    reported = dict(item.rsplit(" ", 1) for item in line.strip().split(", "))
+    assert reported["recall@1"] == tested["recall@1"] and reported["mrr"] == tested["mrr"]  # one answer, one format
+    assert (tmp_path / "report" / "index.html").is_file()
+
+    main(["index", "build", "--config", str(saved), "--ckpt_path", str(last), "--gallery", str(table.file),
+          "--split", "validation", "--kind", "flat", "--out", "shop_index"])
+    query = next(Path(table.file.parent, r["path"]) for r in table.rows if r["split"] == "validation")
+    capsys.readouterr()
+    main(["search", "--index", "shop_index", "--k", "3", str(query)])
+    (found,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert Path(found["results"][0]["path"]).resolve() == query.resolve()
+    assert found["results"][0]["score"] == pytest.approx(1.0, abs=1e-4)
+
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "lightning_dml", "serve", "--index", "shop_index", "--port",
+                               str(port), "--accelerator", "cpu", "--k", "3"], cwd=tmp_path, start_new_session=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        main(["predict", "--config", str(saved), "--ckpt_path", str(last)])
+        predictions = _newest(tmp_path, "predictions.pt")
+        export_main(["--config", str(saved), "--ckpt_path", str(last), "--output", "exported"])
+
+        # plain PyTorch, the lines of docs/models.md
+        model = load_embedding_model("exported")
+        pre = json.loads(Path("exported/input_spec.json").read_text())
+        spec = pre["input_spec"]
+        image = Image.open(query).convert(pre["mode"])
+        image = TF.resize(image, pre["resize_size"], InterpolationMode(spec["interpolation"]), antialias=True)
+        x = TF.pil_to_tensor(TF.center_crop(image, pre["crop_size"])).float() * (spec["scale"] / 255)
+        x = x.flip(0) if spec["color"] == "BGR" else x
+        x = (x - torch.tensor(spec["mean"]).view(-1, 1, 1)) / torch.tensor(spec["std"]).view(-1, 1, 1)
+        with torch.no_grad():
+            plain = torch.nn.functional.normalize(model(x[None]), dim=1)[0]
+        data = torch.load(predictions, weights_only=True)
+        row = [Path(p).resolve() for p in data["paths"]].index(query.resolve())
+        predicted = torch.nn.functional.normalize(data["embeddings"][row], dim=0)
+        assert float(plain @ predicted) == pytest.approx(1.0, abs=1e-4)
+
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if _request(port, "GET", "/health", timeout=5)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.5)
+        status, answer = _request(port, "POST", "/search?k=3", query.read_bytes(), "image/jpeg")
+        assert status == 200 and [r["id"] for r in answer["results"]] == [r["id"] for r in found["results"]]
+        assert _request(port, "GET", "/nope")[1] == {"error": "Not Found"}
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
