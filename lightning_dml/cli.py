@@ -11,7 +11,6 @@ validates every key, including the loss's own arguments::
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect
 import logging
 import os
@@ -23,12 +22,13 @@ from typing import Any
 from jsonargparse import DefaultHelpFormatter, Namespace
 from pytorch_lightning import Callback, Trainer
 from pytorch_lightning.callbacks import BasePredictionWriter, ModelCheckpoint
-from pytorch_lightning.cli import LightningCLI
+from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 from pytorch_lightning.loggers import WandbLogger
 from pytorch_lightning.utilities import rank_zero_only
 
 from lightning_dml import __version__
 from lightning_dml.callbacks import PeriodicCheckpoint, PredictionWriter, ValidationSummary
+from lightning_dml.cli_parsing import exit_with_error, option_names
 from lightning_dml.checkpoints import (
     EVALUATION_HPARAMS,
     CheckpointMismatchError,
@@ -39,11 +39,24 @@ from lightning_dml.checkpoints import (
     read_checkpoint,
 )
 from lightning_dml.data.base import DMLDataModule
-from lightning_dml.download import env_flag, set_offline
-from lightning_dml.errors import CorruptFileError, UserInputError, user_error_message
+from lightning_dml.entry import COMMANDS, TRAINER_COMMANDS
+from lightning_dml.entry import main as entry_main
+from lightning_dml.errors import CorruptFileError, UserInputError
 from lightning_dml.module import DERIVED_HPARAMS, DMLModule
 from lightning_dml.run_config import SaveRunConfig
 from lightning_dml.runs import check_checkpoint_folders, remove_checkpoints, slurm_requeue_resumes
+
+
+def load_data_modules() -> None:
+    """Import every data module of :mod:`lightning_dml.data` (which imports them on first use), so that
+    jsonargparse knows each by its class name alone (``--data CSVDataModule``, ``--data.help CSVDataModule``)."""
+    import lightning_dml.data as data
+
+    for name in data.__all__:
+        getattr(data, name)
+
+
+load_data_modules()
 
 #: Trainer defaults of the ``lightning-dml`` command (a user's ``trainer_defaults`` to :class:`DMLCLI` adds to them)
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -58,38 +71,6 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 }
 
 
-#: The commands of ``lightning-dml`` beside LightningCLI's ``fit``, ``validate``, ``test`` and ``predict``: name ->
-#: (module whose ``main(argv)`` runs it, one line of help). The one place to register a command: :func:`main`
-#: dispatches ``lightning-dml <name> ...`` to the module and ``lightning-dml --help`` lists it.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "cv": (
-        "lightning_dml.protocol.cv",
-        "class-disjoint cross-validation of a config: k folds, R repeats, test table with 95% intervals",
-    ),
-    "sweep": (
-        "lightning_dml.protocol.sweep",
-        "hyper-parameter search (optuna) on the mean validation MAP@R over class-disjoint folds",
-    ),
-    "report": (
-        "lightning_dml.report.command",
-        "retrieval report (DIR/index.html, offline): metrics, worst queries with their top-k, confused classes",
-    ),
-    "index": (
-        "lightning_dml.index.command",
-        "embedding index (faiss) of an image gallery: index build|add|evaluate|status",
-    ),
-    "search": (
-        "lightning_dml.index.search",
-        "top-k gallery items of query images from an index folder (JSON Lines or CSV)",
-    ),
-    "serve": (
-        "lightning_dml.index.server",
-        "HTTP search service (LitServe) over an index folder: POST /search with an image, GET /health",
-    ),
-}
-
-#: LightningCLI's commands (``Trainer`` methods), listed by ``--help`` under "subcommands"
-TRAINER_COMMANDS = ("fit", "validate", "test", "predict")
 
 
 def _help_texts() -> dict[str, str]:
@@ -108,6 +89,22 @@ def _help_texts() -> dict[str, str]:
 
 class _HelpFormatter(DefaultHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """jsonargparse's help format, with the description and epilog printed as written (one command a line)."""
+
+
+class DMLArgumentParser(LightningArgumentParser):
+    """The parser of ``lightning-dml`` and of each of its LightningCLI commands: no abbreviated options
+    (``allow_abbrev=False``), and a command-line or config-file error is one line naming the closest valid options
+    or keys, without the usage block (:func:`lightning_dml.cli_parsing.explain`). Errors raised inside a parse
+    (``exit_on_error=False``) stay jsonargparse's."""
+
+    def __init__(self, *args: Any, allow_abbrev: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+
+    def error(self, message: str, ex: Exception | None = None) -> Any:
+        if not self.exit_on_error:
+            return super().error(message, ex)
+        parser = getattr(ex, "subcommand_parser", None) or self
+        exit_with_error(parser.prog.replace(" [options]", ""), message, option_names(parser.format_help()))
 
 
 class _DropLightningTips(logging.Filter):
@@ -232,7 +229,14 @@ class DMLCLI(LightningCLI):
         self.validation_summary = ValidationSummary()
         defaults = {**TRAINER_DEFAULTS, **(trainer_defaults or {})}
         defaults["callbacks"] = [*_as_list(defaults.get("callbacks")), self.validation_summary]
-        parser_kwargs = {**_help_texts(), "formatter_class": _HelpFormatter, **(parser_kwargs or {})}
+        parser_kwargs = {
+            **_help_texts(),
+            "formatter_class": _HelpFormatter,
+            "prog": "lightning-dml",
+            **{command: {"prog": f"lightning-dml {command}"} for command in TRAINER_COMMANDS},
+            **(parser_kwargs or {}),
+        }
+        kwargs.setdefault("parser_class", DMLArgumentParser)
         super().__init__(*args, trainer_defaults=defaults, parser_kwargs=parser_kwargs, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
@@ -452,39 +456,9 @@ def build_cli(args: Sequence[str] | None = None, run: bool = True) -> DMLCLI:
 
 
 def main(args: Sequence[str] | None = None) -> None:
-    """Entry point of the ``lightning-dml`` console script (``args`` replaces ``sys.argv[1:]``).
-
-    Two switches of its own, anywhere on the command line: ``--offline`` forbids every download (as
-    ``LIGHTNING_DML_OFFLINE=1`` does; DDP processes inherit it), ``--debug`` shows the traceback of a user error.
-    A user error (:class:`~lightning_dml.errors.UserInputError`: a missing dataset or weights file, a failed or
-    refused download, a checksum mismatch, a corrupt file) prints ``lightning-dml: error: <message>`` on stderr
-    and exits with status 1, without traceback unless ``--debug`` or ``LIGHTNING_DML_DEBUG=1``. Every other
-    exception is a bug and keeps its traceback.
-
-    The commands of :data:`COMMANDS` (``lightning-dml cv ...``: :mod:`lightning_dml.protocol.cv`,
-    ``lightning-dml sweep ...``: :mod:`lightning_dml.protocol.sweep`) are dispatched here, beside the LightningCLI
-    subcommands (which are Trainer methods); their user errors are printed the same way.
-    """
-    argv = list(sys.argv[1:] if args is None else args)
-    if "--offline" in argv:
-        set_offline(True)
-    if "--debug" in argv:
-        os.environ["LIGHTNING_DML_DEBUG"] = "1"  # inherited by the DDP processes Lightning starts
-    debug = env_flag("LIGHTNING_DML_DEBUG")
-    argv = [a for a in argv if a not in ("--offline", "--debug")]
-    if args is None:
-        sys.argv[1:] = argv  # Lightning's DDP launcher restarts the command from sys.argv
-    try:
-        if argv[:1] and argv[0] in COMMANDS:
-            # imported on use: the commands import this module
-            importlib.import_module(COMMANDS[argv[0]][0]).main(argv[1:])
-        else:
-            build_cli(None if args is None else argv)
-    except UserInputError as error:
-        if debug:
-            raise
-        print(f"lightning-dml: error: {user_error_message(error)}", file=sys.stderr)
-        raise SystemExit(1) from None
+    """The ``lightning-dml`` command (``args`` replaces ``sys.argv[1:]``): :func:`lightning_dml.entry.main`, which
+    the console script runs without importing this module first."""
+    entry_main(args)
 
 
 __all__ = ["COMMANDS", "DMLCLI", "TRAINER_DEFAULTS", "build_cli", "main", "quiet_lightning_tips"]

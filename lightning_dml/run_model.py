@@ -22,6 +22,7 @@ saves (or the config file given to ``fit``) and one of its checkpoints.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import os
 import warnings
@@ -30,10 +31,13 @@ from typing import Any
 
 from lightning_dml.errors import UserInputError
 
-__all__ = ["COMMAND_OPTIONS", "load_run_model", "preprocessing", "read_run_config", "run_config_cli"]
+__all__ = ["COMMAND_OPTIONS", "command_options", "load_run_model", "preprocessing", "read_run_config", "run_config_cli"]
 
 
-def _command_options() -> frozenset[str]:
+@functools.cache
+def command_options() -> frozenset[str]:
+    """:data:`COMMAND_OPTIONS`, computed on first use: importing Lightning's ``Trainer`` takes seconds, and
+    ``lightning-dml search`` imports this module (through :mod:`lightning_dml.index.embed`) without training."""
     from pytorch_lightning import Trainer
 
     objects = {"self", "model", "datamodule", "dataloaders", "train_dataloaders", "val_dataloaders"}
@@ -45,9 +49,13 @@ def _command_options() -> frozenset[str]:
     )
 
 
-#: top-level keys of a saved config that are options of the command (``Trainer.fit``/``validate``/``test``/
-#: ``predict`` arguments such as ``ckpt_path`` and ``weights_only``), not of the run's model and data
-COMMAND_OPTIONS: frozenset[str] = _command_options()
+def __getattr__(name: str) -> Any:
+    #: ``COMMAND_OPTIONS``: top-level keys of a saved config that are options of the command (``Trainer.fit``/
+    #: ``validate``/``test``/``predict`` arguments such as ``ckpt_path`` and ``weights_only``), not of the run's
+    #: model and data (:func:`command_options`)
+    if name == "COMMAND_OPTIONS":
+        return command_options()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def read_run_config(config: str | os.PathLike) -> dict[str, Any]:
@@ -74,7 +82,7 @@ def run_config_cli(cfg: dict[str, Any]) -> Any:
 
     from lightning_dml.cli import build_cli
 
-    cfg = {k: v for k, v in copy.deepcopy(cfg).items() if k not in COMMAND_OPTIONS}
+    cfg = {k: v for k, v in copy.deepcopy(cfg).items() if k not in command_options()}
     backbone_args = (cfg["model"].get("backbone") or {}).get("init_args") if isinstance(cfg["model"], dict) else None
     if isinstance(backbone_args, dict) and "pretrained" in backbone_args:
         backbone_args["pretrained"] = False  # the checkpoint holds the weights: no download, no cache needed

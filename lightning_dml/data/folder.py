@@ -18,25 +18,14 @@ import numpy as np
 from pytorch_lightning.utilities import rank_zero_warn
 
 from lightning_dml.data.files import DatasetLayoutError, ImageFilesDataModule, SplitFiles
+from lightning_dml.data.image_names import IMAGE_EXTENSIONS, SKIPPED_FOLDERS, is_hidden  # re-exported here
 from lightning_dml.data.table import TableError, parse_image_table, read_raw_table, resolved_paths
 
 #: the splits of the CSV branch (``query``/``gallery``: the evaluation rows of an In-Shop style split)
 CSV_SPLITS = ("train", "test", "query", "gallery")
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
-
 #: validation folder names a class-folder tree may have beside ``train/`` and ``test/``: not read (one warning says so)
 VALIDATION_FOLDERS = ("val", "valid", "validation")
-
-#: Folders that tools leave beside the images and that are never classes or images: macOS's archive resource forks.
-SKIPPED_FOLDERS = ("__MACOSX",)
-
-
-def is_hidden(name: str) -> bool:
-    """Whether a file or folder name is skipped when class folders are read: dot-files and dot-folders (``.DS_Store``,
-    macOS's ``._<name>`` AppleDouble resource forks, ``.ipynb_checkpoints``, ``.git``) and :data:`SKIPPED_FOLDERS`."""
-    return name.startswith(".") or name in SKIPPED_FOLDERS
-
 
 FOLDER_LAYOUT = """\
   either  <root>/train/<class name>/<image>.jpg ... and <root>/test/<class name>/<image>.jpg ...

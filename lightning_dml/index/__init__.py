@@ -11,10 +11,24 @@ engine, re-ranking, search cuts and an HTTP server (``docs/serving.md``).
   ``lightning-dml search`` (:mod:`~lightning_dml.index.search`).
 """
 
-from lightning_dml.index.build import add_gallery, build_index
-from lightning_dml.index.index import EmbeddingIndex, IndexTable
-from lightning_dml.index.kinds import KINDS, IndexOptionError
-from lightning_dml.index.manifest import IndexFolderError, IndexMismatchError, Manifest
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> module: imported on first use (PEP 562), so that `lightning-dml search` and `serve` do not import
+# build_index's Lightning predict loop
+_WHERE: dict[str, str] = {
+    "add_gallery": "lightning_dml.index.build",
+    "build_index": "lightning_dml.index.build",
+    "EmbeddingIndex": "lightning_dml.index.index",
+    "IndexTable": "lightning_dml.index.index",
+    "KINDS": "lightning_dml.index.kinds",
+    "IndexOptionError": "lightning_dml.index.kinds",
+    "IndexFolderError": "lightning_dml.index.manifest",
+    "IndexMismatchError": "lightning_dml.index.manifest",
+    "Manifest": "lightning_dml.index.manifest",
+}
 
 __all__ = [
     "KINDS",
@@ -27,3 +41,15 @@ __all__ = [
     "add_gallery",
     "build_index",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})

@@ -30,6 +30,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from lightning_dml.cli_parsing import CommandParser
 from lightning_dml.errors import UserInputError
 from lightning_dml.index.folder import DEFAULT_LOCK_TIMEOUT
 from lightning_dml.index.manifest import MANIFEST
@@ -46,7 +47,7 @@ def _devices(text: str) -> int | str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-dml index", description="Build, extend, evaluate and check an "
+    parser = CommandParser(prog="lightning-dml index", description="Build, extend, evaluate and check an "
                                      "embedding index (faiss) of an image gallery. See docs/serving.md.")
     sub = parser.add_subparsers(dest="action", required=True, metavar="{build,add,evaluate,status}")
 

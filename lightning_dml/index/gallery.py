@@ -1,8 +1,8 @@
 """Galleries and queries as lists of image files with labels: an image folder of class folders, a CSV (or
 Parquet) table, image files.
 
-* A **folder**: every image file under it (:data:`~lightning_dml.data.folder.IMAGE_EXTENSIONS`, any case; hidden files
-  and folders skipped as the data modules skip them), in sorted order; an image's label is the name of the
+* A **folder**: every image file under it (:data:`~lightning_dml.data.image_names.IMAGE_EXTENSIONS`, any case;
+  hidden files and folders skipped as the data modules skip them), in sorted order; an image's label is the name of the
   first-level folder it is in (``<gallery>/<class>/.../<image>``), empty for an image directly in the folder.
 * A **table** (``.csv``, ``.tsv``, ``.parquet``, ``.pq``): read by the data modules' table reader
   (:func:`~lightning_dml.data.table.read_raw_table`): a header naming a ``path`` column and optionally ``label``
@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lightning_dml.data.folder import IMAGE_EXTENSIONS, is_hidden
+from lightning_dml.data.image_names import IMAGE_EXTENSIONS, is_hidden
 from lightning_dml.data.table import TableError, normalise_name, read_raw_table
 from lightning_dml.errors import MissingFileError, UserInputError
 

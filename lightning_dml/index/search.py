@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from lightning_dml.cli_parsing import CommandParser
 from lightning_dml.errors import UserInputError
 
 __all__ = ["build_parser", "main", "search_embeddings", "search_images"]
@@ -41,7 +42,7 @@ class SearchOptionError(UserInputError, ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lightning-dml search", description="Top-k gallery items of query images from "
+    p = CommandParser(prog="lightning-dml search", description="Top-k gallery items of query images from "
                                 "an index folder (lightning-dml index build). See docs/serving.md.")
     p.add_argument("--index", required=True, help="the index folder")
     p.add_argument("--k", type=int, default=10, help="results per query (default 10)")
