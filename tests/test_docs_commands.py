@@ -10,7 +10,8 @@ The convention (docs/testing.md, "Documented commands"):
   them (:data:`RUN_FOLDERS`: ``logs/glyphs``, ``runs/cub-ms``) hold a copy of one tiny fitted Glyphs run (its
   ``config.yaml`` as ``fit`` saved it and ``checkpoints/last.ckpt``);
 * ``fit``, ``test`` and ``predict`` get trainer options appended that keep them to a few steps and batches
-  (:data:`FAST`: no model option, so a checkpoint still fits the page's later commands);
+  (:data:`FAST`: no model option, so a checkpoint still fits the page's later commands), and ``report`` from a
+  checkpoint embeds two batches of the test split;
 * a command that cannot run here matches a rule of :data:`NOT_RUN`, which says why (a cluster, a download,
   minutes of work, a placeholder of a synopsis); every other command is run, so a new or changed command of the
   docs is tested.
@@ -40,10 +41,11 @@ SHELL_TAGS = ("bash", "sh", "shell", "console")
 #: the run folders pages name without fitting them: each holds a copy of the tiny fitted Glyphs run
 RUN_FOLDERS = ("logs/glyphs", "runs/cub-ms")
 
-#: appended to a documented command of the trainer (trainer options only: the model stays the config's)
+#: appended to a documented command of the trainer (trainer options only: the model stays the config's; ``fit``
+#: drops the config's callbacks, the demo's RetrievalComparison, which embeds the whole test split twice)
 FAST: dict[str, list[str]] = {
     "fit": ["--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
-            "--trainer.enable_model_summary=false", "--trainer.logger=false"],
+            "--trainer.enable_model_summary=false", "--trainer.logger=false", "--trainer.callbacks=[]"],
     "test": ["--trainer.limit_test_batches=1", "--trainer.enable_progress_bar=false", "--trainer.logger=false"],
     "predict": ["--trainer.limit_predict_batches=1", "--trainer.enable_progress_bar=false",
                 "--trainer.logger=false"],
@@ -141,6 +143,8 @@ def _runner(command: DocCommand):
     if program == "lightning-dml":
         if args and args[0] in FAST:
             args = [*args, *FAST[args[0]]]
+        elif args[:1] == ["report"] and "--ckpt_path" in args:  # its extra options go to the predict it runs
+            args = [*args, "--trainer.limit_predict_batches=2"]
         from lightning_dml.cli import main
 
         return (lambda: main(args)), ["lightning-dml", *args]

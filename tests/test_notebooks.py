@@ -21,8 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 
 
-def _run(name: str, workdir: Path, cache: Path) -> nbformat.NotebookNode:
+def _run(name: str, workdir: Path, cache: Path, parameters: str | None = None) -> nbformat.NotebookNode:
+    """Execute notebook ``name`` in ``workdir``; ``parameters``: code run right after its cell tagged
+    ``parameters`` (as papermill does), replacing the values set there."""
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
+    if parameters is not None:
+        tagged = [i for i, cell in enumerate(notebook.cells) if "parameters" in cell.metadata.get("tags", [])]
+        assert len(tagged) == 1, f"{name}: one cell tagged 'parameters'"
+        notebook.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(parameters))
     setup = (
         f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
         f"from tests.glyph_cache import install; install({str(cache)!r})"
@@ -70,6 +76,52 @@ def test_quickstart_then_embeddings_notebook(tmp_path, tmp_path_factory, monkeyp
     assert "checkpoint reproduces the saved embeddings" in text
     assert "most confused" in text
     assert _images(emb) >= 3  # t-SNE, retrieval grid, per-class recall
+
+    # a predict output alone (no checkpoint): the same metrics as with the checkpoint
+    only = _text(_run("embeddings.ipynb", tmp_path, cache, "CHECKPOINT = None"))
+    assert "checkpoint reproduces" not in only and _recall_at_1(only) == _recall_at_1(text)
+
+
+@pytest.mark.slow
+def test_embeddings_notebook_reads_a_checkpoint_with_its_run_config(tmp_path, tmp_path_factory, capsys):
+    """Issue 27 s.2: embeddings.ipynb loads a lightning-dml checkpoint with the config its run saved (not only the
+    quickstart's files), embeds the test split and shows the same Recall@1 as the library's metrics."""
+    import torch
+    import yaml
+
+    from lightning_dml.data import GlyphsDataModule
+    from lightning_dml.metrics import functional
+    from lightning_dml.models import SmallConvNet
+    from lightning_dml.module import DMLModule
+    from tests.test_export import saved_config
+
+    cache = tmp_path_factory.getbasetemp() / glyph_cache.FILENAME
+    glyph_cache.install(cache)
+    config = {
+        "model": {"backbone": {"class_path": "lightning_dml.models.SmallConvNet", "init_args": {"width": 4}},
+                  "embedding_dim": 8, "clustering": False},
+        "data": {"class_path": "lightning_dml.data.GlyphsDataModule", "init_args": {"image_size": 16}},
+    }
+    path = saved_config("fit", config, tmp_path, capsys)
+    assert "weights_only" in yaml.safe_load(path.read_text())
+    torch.manual_seed(4)
+    module = DMLModule(SmallConvNet(width=4), embedding_dim=8, clustering=False).eval()
+    torch.save({"state_dict": module.state_dict(), "pytorch-lightning_version": "2.6.0"}, tmp_path / "last.ckpt")
+    data = GlyphsDataModule(image_size=16)
+    data.setup("test")
+    with torch.no_grad():
+        embeddings = torch.cat([module(batch[0]) for batch in data.test_dataloader()])
+    expected = functional.retrieval_metrics(embeddings, data.test_dataset.labels, recall_at=(1,))["recall@1"]
+
+    text = _text(_run("embeddings.ipynb", tmp_path, cache,
+                      f"PREDICTIONS = None\nCHECKPOINT = Path({str(tmp_path / 'last.ckpt')!r})\n"
+                      f"CONFIG = Path({str(path)!r})"))
+    assert f"{len(embeddings)} test embeddings of dimension 8" in text
+    assert _recall_at_1(text) == pytest.approx(100 * float(expected), abs=0.05)
+
+
+def _recall_at_1(text: str) -> float:
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("recall@1 ")))
 
 
 @pytest.mark.slow
