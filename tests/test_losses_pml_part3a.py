@@ -397,3 +397,40 @@ def test_large_margin_softmax_degenerate_batches():
     z = torch.zeros(2, 6, dtype=torch.float64)
     value = loss(z, torch.tensor([0, 1])).detach()
     assert float(value) == pytest.approx(math.log(4))
+
+
+@pytest.mark.parametrize("batch", ["random", "near_margin", "tight"])
+@pytest.mark.parametrize("neg_margin", [1.0, -3.6])
+def test_generalized_lifted_structure_closed_form_equals_autograd_and_the_loop(batch, neg_margin):
+    """The closed-form ``dL/dS`` (the default path) against autograd through ``pair_loss`` and the paper loop, with
+    an anchor without positives (its term is 0 on both paths) and a reference item."""
+    z, y = BATCHES[batch]()
+    y = y.clone()
+    y[0] = 99  # a singleton anchor
+    kw = {"neg_margin": neg_margin, "pos_margin": 0.05}
+    fast, plain = build_loss("generalized_lifted_structure", **kw), build_loss("generalized_lifted_structure", **kw)
+    plain.closed_form = False
+    assert fast._has_closed_form()
+    power = neg_margin > 0  # at -3.6 every anchor of the tight batch is inside the hinge once item 0 is a singleton
+    assert_same(fast, plain, z, y, power=power)
+    assert_same(fast, lambda zz, yy: ref.generalized_lifted_structure(zz, ref.same_label(yy), **kw), z, y,
+                power=power)
+    r, ry = z[:3] * 1.1, y[:3]
+    v1, v2 = fast(z, y, r, ry), plain(z, y, r, ry)
+    torch.testing.assert_close(v1, v2)
+
+
+@pytest.mark.parametrize("batch", ["random", "near_margin", "overlapping"])
+def test_intra_pair_variance_closed_form_equals_autograd(batch):
+    """The closed-form ``dL/dS`` (the default path) against autograd through ``pair_loss``, with references and
+    a singleton (label sets: an item with an empty set)."""
+    z, y = BATCHES[batch]()
+    kw = {"pos_eps": 0.05, "neg_eps": 0.02}
+    fast, plain = build_loss("intra_pair_variance", **kw), build_loss("intra_pair_variance", **kw)
+    plain.closed_form = False
+    assert fast._has_closed_form()
+    assert_same(fast, plain, z, y)
+    sets = _label_sets(y)
+    assert_same(fast, plain, z, sets)
+    r, ry = z[:4] * 0.9, y[:4]
+    torch.testing.assert_close(fast(z, y, r, ry), plain(z, y, r, ry))

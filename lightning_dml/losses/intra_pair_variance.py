@@ -56,3 +56,20 @@ class IntraPairVarianceLoss(PairLoss):
         if s_neg.numel():
             loss = loss + torch.relu(s_neg - (1.0 + self.neg_eps) * s_neg.mean()).pow(2).mean()
         return loss
+
+    def pair_loss_and_grad(self, sim: Tensor, pos: Tensor, neg: Tensor) -> tuple[Tensor, Tensor]:
+        """The same loss and ``dL/dS`` in closed form on float masks: with ``r = [(1 - eps) mu - S]_+`` over the
+        ``P`` positive pairs, ``dL/dS_ij = (2 (1 - eps) sum(r) / P - 2 r_ij) / P`` (the mean's share included), and
+        the mirror image for the negatives."""
+        loss = sim.new_zeros(())
+        grad = torch.zeros_like(sim)
+        for mask, factor, sign in ((pos, 1.0 - self.pos_eps, 1.0), (neg, 1.0 + self.neg_eps, -1.0)):
+            maskf = mask.to(sim.dtype)
+            count = maskf.sum()
+            if not bool(count > 0):
+                continue
+            mean = (sim * maskf).sum() / count
+            r = torch.relu(sign * (factor * mean - sim)).mul_(maskf)  # [(1-eps) mu - S]_+ or [S - (1+eps) mu]_+
+            loss = loss + r.pow(2).sum() / count
+            grad.add_(maskf.mul_(factor * 2.0 * r.sum() / count).sub_(r, alpha=2.0), alpha=sign / count)
+        return loss, grad
