@@ -31,7 +31,7 @@ def suggest(given: str, candidates: Iterable[str]) -> str:
     """``" (did you mean A or B?)"``: the candidates ``given`` abbreviates, else the closest by spelling (empty
     when none is close)."""
     names = [c for c in dict.fromkeys(candidates) if c != given]
-    longer = [c for c in names if c.startswith(given)]
+    longer = sorted((c for c in names if c.startswith(given)), key=len)  # the shortest first
     if longer:
         return f" (abbreviations are not accepted; did you mean {' or '.join(longer[:4])}?)"
     close = difflib.get_close_matches(given, names, n=3, cutoff=0.7)
@@ -127,8 +127,17 @@ class CommandParser(argparse.ArgumentParser):
         return list(dict.fromkeys(names))
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        """argparse's, and an error for a left-over option that abbreviates one of this parser's: a command that
+        hands its unknown arguments on (``cv``, ``sweep`` and ``report`` give them to ``fit``/``predict``) must not
+        hand on ``--num_fold`` for ``--num_folds``."""
         self.given_args = list(sys.argv[1:] if args is None else args)
-        return super().parse_known_args(args, namespace)
+        namespace, extras = super().parse_known_args(args, namespace)
+        own = self.all_option_names()
+        for word in extras:
+            name = word.split("=", 1)[0]
+            if name.startswith("--") and name not in own and any(option.startswith(name) for option in own):
+                self.error(f"unrecognized arguments: {word}")
+        return namespace, extras
 
     def error(self, message: str) -> NoReturn:
         """One line (:func:`explain`); an unknown option is named first, before the required options it left

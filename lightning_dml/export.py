@@ -41,7 +41,6 @@ From the command line, with the config the run was trained with (``lightning-dml
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -52,6 +51,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from lightning_dml.cli_parsing import CommandParser
 from lightning_dml.errors import CorruptFileError, UserInputError
 
 SAFETENSORS = "embedding_model.safetensors"
@@ -408,7 +408,8 @@ def export_checkpoint(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Export the embedding model of a lightning-dml checkpoint.")
+    parser = CommandParser(prog="python -m lightning_dml.export",
+                           description="Export the embedding model of a lightning-dml checkpoint.")
     parser.add_argument("--config", required=True, help="the run's config (lightning-dml saves config.yaml)")
     parser.add_argument("--ckpt_path", required=True, help="a checkpoint written by the run (a file or an http(s) URL)")
     parser.add_argument("--output", required=True, help="output folder")

@@ -50,6 +50,7 @@ import torch
 from scipy import stats
 
 from lightning_dml.callbacks.embedding import embed_loader
+from lightning_dml.cli_parsing import CommandParser
 from lightning_dml.checkpoints import read_checkpoint, read_torch_file
 from lightning_dml.metrics import RetrievalMetrics
 from lightning_dml.metrics.retrieval import eval_batch_targets
@@ -306,7 +307,7 @@ def log_table(fit_args: Sequence[str], run_dir: Path, rows: Sequence[dict[str, A
 
 # ------------------------------------------------------------------------------------------- command
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="lightning-dml cv",
         allow_abbrev=False,
         description=(

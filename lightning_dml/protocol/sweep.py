@@ -61,6 +61,7 @@ import pytorch_lightning as pl
 import torch
 import yaml
 
+from lightning_dml.cli_parsing import CommandParser
 from lightning_dml.protocol.budget import Budget, ProtocolError, load_budget
 from lightning_dml.protocol.launch import class_lists, finish_runs, fit_command, started_externally, wandb_group
 
@@ -443,7 +444,7 @@ def storage_label(storage: str | None, run_dir: Path) -> str:
 
 # ------------------------------------------------------------------------------------------- command
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="lightning-dml sweep",
         allow_abbrev=False,
         description=(

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from lightning_dml.cli_parsing import CommandParser
 from lightning_dml.errors import UserInputError
 from lightning_dml.metrics_format import format_metrics_line
 from lightning_dml.report.evaluation import evaluate_predictions, evaluation_settings
@@ -45,7 +46,7 @@ class ReportError(UserInputError, ValueError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="lightning-dml report",
         allow_abbrev=False,
         description=(

@@ -1,0 +1,105 @@
+"""Typos on the command line and in config files (issue 27 s.1 and s.4): an abbreviated option is refused by every
+command, naming the option(s) it abbreviates (argparse silently took ``--trainer.max_epoch`` for
+``--trainer.max_epochs``), and a misspelt option or config key (model, data, loss, trainer) is one error line with
+the closest valid names, instead of the usage block."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+
+from lightning_dml import entry, export
+
+ROOT = Path(__file__).resolve().parents[1]
+GLYPHS = ROOT / "configs" / "glyphs.yaml"
+
+
+def _error(capsys, run) -> list[str]:
+    """The stderr lines of ``run()``, which must exit with status 2 (a command-line error)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")  # sys.argv is pytest's
+        with pytest.raises(SystemExit) as done:
+            run()
+    assert done.value.code == 2
+    captured = capsys.readouterr()
+    assert "usage:" not in captured.err and "Traceback" not in captured.err
+    return captured.err.strip().splitlines()
+
+
+def _one_line(capsys, argv: list[str]) -> str:
+    lines = _error(capsys, lambda: entry.main(argv))
+    assert len(lines) == 2 and lines[1].endswith("--help` lists the options"), lines
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "meant"),
+    [
+        (["fit", "--config", str(GLYPHS), "--trainer.max_epoch", "3"], "--trainer.max_epochs"),
+        (["test", "--config", str(GLYPHS), "--model.embedding_di=16"], "--model.embedding_dim"),
+        (["search", "--ind", "folder", "query.png"], "--index"),
+        (["serve", "--ind", "folder"], "--index"),
+        (["index", "build", "--conf", "c.yaml", "--ckpt_path", "m.ckpt", "--gallery", "g", "--out", "o"],
+         "--config"),
+        (["cv", "--num_fold", "3", "--config", str(GLYPHS)], "--num_folds"),
+        (["cv", "--repea", "1", "--config", str(GLYPHS)], "--repeat or --repeats"),
+        (["sweep", "--spac", "s.yaml", "--config", str(GLYPHS)], "--space"),
+        (["report", "--predictio", "p.pt", "--out", "r"], "--predictions"),
+    ],
+    ids=lambda value: value[0] if isinstance(value, list) else None,
+)
+def test_an_abbreviated_option_is_refused_naming_the_full_option(capsys, argv, meant):
+    line = _one_line(capsys, argv)
+    given = next(w.split("=")[0] for w in argv if w.startswith("--") and meant.startswith(w.split("=")[0]))
+    assert f"unknown option {given} (abbreviations are not accepted; did you mean {meant}?)" in line, line
+
+
+def test_export_refuses_an_abbreviated_option(capsys):
+    lines = _error(capsys, lambda: export.main(["--conf", "c.yaml", "--ckpt_path", "m.ckpt", "--output", "o"]))
+    assert lines[0].endswith("unknown option --conf (abbreviations are not accepted; did you mean --config?)"), lines
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        ("  embedding_dim: 128", "  embeding_dim: 128", "unknown key 'model.embeding_dim' (did you mean "
+                                                         "model.embedding_dim"),
+        ("  max_epochs: 6", "  max_epoch: 6", "unknown key 'trainer.max_epoch' (abbreviations are not accepted; "
+                                              "did you mean trainer.max_epochs?)"),
+        ("    classes_per_batch: 16", "    classes_per_bach: 16", "unknown key 'data.init_args.classes_per_bach' "
+         "for lightning_dml.data.GlyphsDataModule (did you mean classes_per_batch"),
+        ("      beta: 50.0", "      betta: 50.0", "unknown key 'model.loss.init_args.betta' for "
+         "lightning_dml.losses.MultiSimilarityLoss (did you mean beta?)"),
+    ],
+    ids=["model", "trainer", "data", "loss"],
+)
+def test_a_misspelt_config_file_key_is_one_line_with_the_closest_keys(tmp_path, capsys, old, new, expected):
+    text = GLYPHS.read_text()
+    assert old in text
+    config = tmp_path / "typo.yaml"
+    config.write_text(text.replace(old, new))
+    line = _one_line(capsys, ["fit", "--config", str(config)])
+    assert line.startswith("lightning-dml fit: error: ") and expected in line, line
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("--model.embeding_dim=3", "unknown option --model.embeding_dim (did you mean --model.embedding_dim"),
+        ("--data.init_args.classes_per_bach=3", "unknown key 'data.init_args.classes_per_bach' for "
+         "lightning_dml.data.GlyphsDataModule (did you mean classes_per_batch"),
+        ("--trainer.max_epohcs=3", "unknown option --trainer.max_epohcs (did you mean --trainer.max_epochs"),
+    ],
+    ids=["model", "data", "trainer"],
+)
+def test_a_misspelt_command_line_key_is_one_line_with_the_closest_keys(capsys, override, expected):
+    line = _one_line(capsys, ["fit", "--config", str(GLYPHS), override])
+    assert expected in line, line
+
+
+def test_an_unknown_option_is_named_before_the_required_ones_it_left_missing(capsys):
+    """argparse reports only the missing ``--index`` for ``search --indx F``: the typo is what the user needs."""
+    line = _one_line(capsys, ["search", "--indx", "folder", "query.png"])
+    assert line == "lightning-dml search: error: unknown option --indx (did you mean --index?)", line
