@@ -276,3 +276,46 @@ def test_first_pass_keeps_no_activations_and_backward_replays_one_chunk_at_a_tim
     events.clear()
     loss.backward()
     assert events == ["forward", "backward"] * 3
+
+
+def test_supcon_4096_vit_config_builds(tmp_path, monkeypatch):
+    """configs/sop_supcon_vit_4096.yaml: a 4096-image SupCon batch (P x K) on a ViT with both memory options."""
+    from lightning_dml.cli import build_cli
+    from tests.fixtures_data import make_sop
+
+    make_sop(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-dml"])
+    config = Path(__file__).resolve().parents[1] / "configs" / "sop_supcon_vit_4096.yaml"
+    cli = build_cli(["--config", str(config), "--data.init_args.root", str(tmp_path),
+                     "--model.backbone.init_args.pretrained", "false", "--trainer.logger", "false"], run=False)
+    assert cli.model.embedding_chunk_size == 128 and cli.model.loss.anchor_chunk_size == 512
+    assert type(cli.model.loss).__name__ == "SupConLoss"
+    assert cli.datamodule.classes_per_batch * cli.datamodule.samples_per_class == 4096
+
+
+def test_resume_with_another_chunk_size(tmp_path, monkeypatch):
+    """embedding_chunk_size changes how a step is computed, not what: a checkpoint of an unchunked run resumes with
+    chunks (its other hyper-parameters are still compared) and continues from the restored step."""
+    from lightning_dml.checkpoints import CheckpointMismatchError
+
+    monkeypatch.undo()
+    plain = _fit(None, steps=2)
+    path = tmp_path / "run.ckpt"
+    plain.trainer.save_checkpoint(path)
+
+    def resume(**kwargs) -> pl.Trainer:
+        torch.manual_seed(0)
+        module = DMLModule(_cnn(), loss="multi_similarity", embedding_dim=8, clustering=False, freeze_bn=True,
+                           optimizer=partial(torch.optim.SGD, lr=0.05, momentum=0.9),
+                           lr_scheduler=partial(torch.optim.lr_scheduler.StepLR, step_size=5, gamma=0.5),
+                           scheduler_interval="step", **kwargs)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=3, precision="64-true", gradient_clip_val=1.0,
+                             accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0)
+        trainer.fit(module, train_dataloaders=_loader(torch.float64), ckpt_path=path)
+        return trainer
+
+    assert resume(embedding_chunk_size=4).global_step == 3
+    with pytest.raises(CheckpointMismatchError, match="head_lr_multiplier"):  # other settings still compared
+        resume(embedding_chunk_size=4, head_lr_multiplier=2.0)
