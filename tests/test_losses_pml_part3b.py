@@ -68,7 +68,7 @@ def test_p2sgrad_matches_pml(batch):
     assert_same(ours, theirs, z, y, rtol=1e-6)
 
 
-@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("batch", ["random", "tight"])  # the logits scale with ||x||: every batch is far
 @pytest.mark.parametrize("margin,scale", [(4, 1.0), (3, 0.5), (2, 2.0), (1, 1.0)])
 def test_sphereface_matches_pml(batch, margin, scale):
     """Raw (not unit) embeddings: the logits scale with their norms; every branch k of psi is visited."""
@@ -95,7 +95,7 @@ def test_sphereface_psi_is_the_papers_piecewise_function():
         assert bool((angular_margin_psi(torch.cos(theta), m).diff() <= 1e-12).all())  # decreasing in theta
 
 
-@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("batch", ["random", "at_lambda", "tight"])
 @pytest.mark.parametrize("variant", ["O", "Ds", "Dq", "Iu", "Ib"])
 def test_pnp_matches_pml(batch, variant):
     z, y = BATCHES[batch]()

@@ -2,12 +2,51 @@
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
-from lightning_dml.losses.proxies import ProxyLoss, normalize_proxies
+from lightning_dml.losses.proxies import ProxyLoss
 from lightning_dml.losses.registry import register_loss
 
-__all__ = ["P2SGradLoss"]
+__all__ = ["P2SGradLoss", "P2SGradFunction"]
+
+
+class P2SGradFunction(torch.autograd.Function):
+    """``mean_{i,j} (clamp(cos_ij, -1, 1) - delta(j = y_i))^2`` from the normalised embeddings ``x`` and the raw
+    weights, with the closed-form backward ``dL/dcos = 2 (cos - onehot) / (B C)`` (0 where the clamp is active):
+    one ``B x C`` buffer (the cosines, turned into ``dL/dcos`` in place) instead of autograd's chain of ``B x C``
+    intermediates; the weights' gradient is projected through their normalisation, ``(g - u (g . u)) / n``.
+    Differentiable once."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:  # type: ignore[override]
+        norms = torch.linalg.vector_norm(proxies, dim=1, keepdim=True).clamp_(min=1e-12)
+        unit = proxies / norms
+        cos = x @ unit.T
+        rows = torch.arange(x.shape[0], device=labels.device)
+        inside = cos.abs() <= 1.0
+        cos.clamp_(-1.0, 1.0)
+        target = cos[rows, labels]
+        loss = (cos.square().sum() + ((target - 1.0).square() - target.square()).sum()) / cos.numel()
+        grad = cos  # the cosines become dL/dcos in place
+        grad.index_put_((rows, labels), target - 1.0)
+        grad.mul_(2.0 / cos.numel()).mul_(inside)
+        ctx.save_for_backward(x, unit, norms, grad)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        x, unit, norms, grad = ctx.saved_tensors
+        grad = grad * grad_out
+        grad_x = grad @ unit if ctx.needs_input_grad[0] else None
+        grad_p = None
+        if ctx.needs_input_grad[1]:
+            grad_p = grad.T @ x
+            along = torch.einsum("cd,cd->c", grad_p, unit)
+            grad_p.addcmul_(unit, along[:, None], value=-1.0).div_(norms)
+        return grad_x, grad_p, None
 
 
 @register_loss("p2sgrad")
@@ -49,8 +88,5 @@ class P2SGradLoss(ProxyLoss):
             nn.init.uniform_(self.proxies, -1.0, 1.0)
 
     def proxy_loss(self, x: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
-        cos = (x @ normalize_proxies(proxies).T).clamp(-1.0, 1.0)
-        target = cos.gather(1, labels[:, None])
         # sum_j (cos_ij - delta_j)^2 = sum_j cos_ij^2 - cos_iy^2 + (cos_iy - 1)^2: no B x C one-hot buffer
-        total = cos.square().sum() + ((target - 1.0).square() - target.square()).sum()
-        return total / cos.numel()
+        return P2SGradFunction.apply(x, proxies, labels)
