@@ -158,3 +158,28 @@ def decoupled_contrastive(z: Tensor, y: Tensor, temperature: float = 0.1,
         log_den = torch.logsumexp(torch.stack([x[i] @ xg[n] / temperature for n in negatives]), dim=0)
         terms += [log_den - x[i] @ xg[p] / temperature for p in others if _same(y, gy, i, p)]
     return sum(terms) / len(terms) if terms else z.new_zeros(())
+
+
+def selectively_contrastive_triplet(z: Tensor, y: Tensor, temperature: float = 0.1, penalty: float = 1.0,
+                                    positive: str = "easiest", ref: Tensor | None = None,
+                                    ref_y: Tensor | None = None) -> Tensor:
+    """SCT (Xuan et al., ECCV 2020): per anchor its easiest (or hardest) positive and hardest negative (the first in
+    index order on ties); lambda S_an if S_an > S_ap, else -log softmax of (S_ap, S_an) / tau at S_ap; the mean."""
+    g, gy = _gallery(z, y, ref, ref_y)
+    x, xg = _unit(z), _unit(g)
+    terms = []
+    for i in range(z.shape[0]):
+        others = [j for j in range(g.shape[0]) if j != i]
+        positives = [j for j in others if _same(y, gy, i, j)]
+        negatives = [j for j in others if not _same(y, gy, i, j)]
+        if not positives or not negatives:
+            continue
+        s = {j: x[i] @ xg[j] for j in others}
+        key = (lambda j: -float(s[j].detach())) if positive == "easiest" else (lambda j: float(s[j].detach()))
+        p = min(positives, key=key)  # min keeps the first of equal keys
+        n = min(negatives, key=lambda j: -float(s[j].detach()))
+        if float(s[n].detach()) > float(s[p].detach()):
+            terms.append(penalty * s[n])
+        else:
+            terms.append(-torch.log_softmax(torch.stack([s[p], s[n]]) / temperature, dim=0)[0])
+    return sum(terms) / len(terms) if terms else z.new_zeros(())

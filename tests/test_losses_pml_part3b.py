@@ -192,11 +192,14 @@ PAIR_CASES = {
     "multi_supcon_t05": (ref.multi_supcon, {"temperature": 0.2, "threshold": 0.5}),
     "decoupled_contrastive": (ref.decoupled_contrastive, {"temperature": 0.1}),
     "decoupled_contrastive_t05": (ref.decoupled_contrastive, {"temperature": 0.5}),
+    "selectively_contrastive_triplet": (ref.selectively_contrastive_triplet, {"penalty": 0.7}),
+    "selectively_contrastive_triplet_hardest": (ref.selectively_contrastive_triplet,
+                                                {"positive": "hardest", "temperature": 0.2}),
 }
 
 
 def registry_name(case: str) -> str:
-    return case.split("_Ib")[0].split("_t05")[0]
+    return case.split("_Ib")[0].split("_t05")[0].split("_hardest")[0]
 
 
 @pytest.mark.parametrize("case", PAIR_CASES)
@@ -263,7 +266,7 @@ def test_tcm_counts_pairs_at_the_margin():
 
 #: every loss of this package, and those among them with class weights
 NAMES = ["p2sgrad", "pnp", "snr_contrastive", "sphereface", "threshold_consistent_margin", "vicreg", "multi_supcon",
-         "decoupled_contrastive"]
+         "decoupled_contrastive", "selectively_contrastive_triplet"]
 CLASSIFICATION = ("p2sgrad", "sphereface")
 
 DEGENERATE = {
@@ -293,6 +296,8 @@ def test_degenerate_batches_finite(name, batch):
         assert float(value) == 0.0 and float(z.grad.abs().max()) == 0.0  # no negatives: no denominator, no term
     if batch == "identical" and name == "decoupled_contrastive":
         torch.testing.assert_close(value, torch.tensor(4.0, dtype=torch.float64).log())  # log |N_i| = log 4
+    if batch == "identical" and name == "selectively_contrastive_triplet":
+        torch.testing.assert_close(value, torch.tensor(2.0, dtype=torch.float64).log())  # S_an = S_ap: easy, log 2
     if batch == "identical" and name == "vicreg":
         # invariance and covariance 0, each view's std sqrt(eps): mu (1 - sqrt(eps)) / 2 twice
         torch.testing.assert_close(value, torch.tensor(25.0 * (1 - 1e-2), dtype=torch.float64))
@@ -392,3 +397,20 @@ def test_vicreg_bf16_and_autocast_run_in_fp32():
     assert abs(float(value) - float(want)) <= 1e-2 * max(1.0, abs(float(want)))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert build_loss("vicreg")(items, labels).dtype == torch.float32
+
+
+@pytest.mark.parametrize("positive", ["easiest", "hardest"])
+def test_selectively_contrastive_triplet_both_branches(positive):
+    """Hard triplets (S_an > S_ap: lambda S_an) and easy ones (the softmax triplet) in one batch: a random one for
+    the easiest positives, a trained-like one near the margins for the hardest (4 of 20 anchors hard)."""
+    z, y = random_batch(5, b=16, k=4, d=6) if positive == "easiest" else trained_like_batch(1, 0.85, 0.68)
+    x = torch.nn.functional.normalize(z, dim=1)
+    s = x @ x.T
+    same = (y[:, None] == y[None, :]) & ~torch.eye(len(y), dtype=torch.bool)
+    s_ap = (s.masked_fill(~same, -9).amax(1) if positive == "easiest" else s.masked_fill(~same, 9).amin(1))
+    s_an = s.masked_fill(y[:, None] == y[None, :], -9).amax(1)
+    has = same.any(1)
+    assert bool(((s_an > s_ap) & has).any()) and bool(((s_an <= s_ap) & has).any())
+    kwargs = {"positive": positive, "penalty": 0.5}
+    assert_same(build_loss("selectively_contrastive_triplet", **kwargs),
+                lambda e, t: ref.selectively_contrastive_triplet(e, t, **kwargs), z, y)
