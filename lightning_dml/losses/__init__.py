@@ -53,6 +53,7 @@ from lightning_dml.losses.decoupled_contrastive import DecoupledContrastiveLoss
 from lightning_dml.losses.multi_supcon import MultiSupConLoss
 from lightning_dml.losses.pnp import PNPLoss
 from lightning_dml.losses.snr_contrastive import SNRContrastiveLoss
+from lightning_dml.losses.selectively_contrastive_triplet import SelectivelyContrastiveTripletLoss
 from lightning_dml.losses.sphereface import SphereFaceLoss
 from lightning_dml.losses.threshold_consistent_margin import ThresholdConsistentMarginLoss
 from lightning_dml.losses.vicreg import VICRegLoss
@@ -103,4 +104,5 @@ __all__ = [
     "VICRegLoss",
     "MultiSupConLoss",
     "DecoupledContrastiveLoss",
+    "SelectivelyContrastiveTripletLoss",
 ]
