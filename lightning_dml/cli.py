@@ -15,6 +15,7 @@ import inspect
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,29 @@ class _DropLightningTips(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         message = str(record.getMessage())
         return not (message.startswith("💡 Tip") or "pypi.org/project/lit" in message)
+
+
+def quiet_dependency_warnings(command: str | None = None) -> None:
+    """Drop the warnings of Lightning and torch that say nothing to a user of ``lightning-dml`` (each filtered by its
+    message and the module that raises it; every other warning is kept):
+
+    * torch's "``isinstance(treespec, LeafSpec)`` is deprecated" (a FutureWarning), raised by Lightning's own
+      ``pytorch_lightning.utilities._pytree`` whenever it flattens a batch (every command that runs a loop);
+    * for ``validate``, ``test`` and ``predict`` (``command``), ``ModelCheckpoint``'s "The dirpath has changed from
+      ..." when the checkpoint read was written into another folder: these commands save no checkpoint, so the
+      checkpoint's best-model bookkeeping they do not reload is never used. ``fit`` keeps it (a resumed run's
+      checkpoint folder did change).
+    """
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"pytorch_lightning\.utilities\._pytree",
+    )
+    if command in ("validate", "test", "predict"):
+        warnings.filterwarnings(
+            "ignore", message=r"The dirpath has changed from", module=r"pytorch_lightning\.callbacks\.model_checkpoint"
+        )
 
 
 def quiet_lightning_tips() -> None:
@@ -274,6 +298,7 @@ class DMLCLI(LightningCLI):
         """Parse as LightningCLI does, then check ``--ckpt_path`` (:meth:`check_checkpoint`) before LightningCLI
         reads the checkpoint's hyper-parameters into the config."""
         super().parse_arguments(parser, args)
+        quiet_dependency_warnings(self.config.get("subcommand"))
         self.check_checkpoint(parser, args)
 
     def check_checkpoint(self, parser: Any, args: Any) -> None:
@@ -461,4 +486,12 @@ def main(args: Sequence[str] | None = None) -> None:
     entry_main(args)
 
 
-__all__ = ["COMMANDS", "DMLCLI", "TRAINER_DEFAULTS", "build_cli", "main", "quiet_lightning_tips"]
+__all__ = [
+    "COMMANDS",
+    "DMLCLI",
+    "TRAINER_DEFAULTS",
+    "build_cli",
+    "main",
+    "quiet_dependency_warnings",
+    "quiet_lightning_tips",
+]

@@ -44,6 +44,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
@@ -311,9 +312,12 @@ def export_embedding_model(
         _atomic_write(out / STATE_DICT, lambda p: torch.save(payload, p))
         written["state_dict"] = out / STATE_DICT
     if "torchscript" in formats:
-        with torch.no_grad():
+        with warnings.catch_warnings(), torch.no_grad():
+            # torch deprecates torch.jit (a FutureWarning per call, torch 2.14): the format is the user's choice, and
+            # its readers (torch.jit.load, C++ libtorch) are what it is kept for
+            warnings.filterwarnings("ignore", message=r"`torch\.jit\.\w+` is deprecated", category=FutureWarning)
             traced = torch.jit.trace(model, example, check_trace=True)
-        _atomic_write(out / TORCHSCRIPT, lambda p: torch.jit.save(traced, str(p)))
+            _atomic_write(out / TORCHSCRIPT, lambda p: torch.jit.save(traced, str(p)))
         written["torchscript"] = out / TORCHSCRIPT
     if "torch_export" in formats:
         batch = torch.export.Dim("batch", min=1)

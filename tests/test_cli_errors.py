@@ -5,6 +5,7 @@ the closest valid names, instead of the usage block."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -103,3 +104,52 @@ def test_an_unknown_option_is_named_before_the_required_ones_it_left_missing(cap
     """argparse reports only the missing ``--index`` for ``search --indx F``: the typo is what the user needs."""
     line = _one_line(capsys, ["search", "--indx", "folder", "query.png"])
     assert line == "lightning-dml search: error: unknown option --indx (did you mean --index?)", line
+
+
+# ------------------------------------------------------------------------------------------ noise (issue 27 s.4)
+NOISE = {
+    "LeafSpec": "torch's LeafSpec deprecation, raised by Lightning's _pytree",
+    "dirpath has changed": "ModelCheckpoint reading a checkpoint written into another folder",
+    "torch.jit": "torch.jit deprecations of the TorchScript export",
+    "tmp.pt2": "torch.export's warning about a temporary file name",
+}
+
+
+@pytest.mark.slow
+def test_fit_predict_and_export_print_none_of_their_dependencies_noise(tmp_path, monkeypatch):
+    """Each command in a fresh process, as a user runs it: stderr has none of :data:`NOISE`."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests import glyph_cache
+
+    cache = tmp_path / glyph_cache.FILENAME
+    glyph_cache.install(cache)
+    cfg = yaml.safe_load(GLYPHS.read_text())
+    cfg["trainer"].update(max_epochs=1, max_steps=3, check_val_every_n_epoch=1, enable_checkpointing=True,
+                          enable_progress_bar=False, enable_model_summary=False, logger=False, callbacks=[])
+    cfg["model"]["backbone"]["init_args"]["width"] = 8
+    cfg["model"].update(embedding_dim=16, clustering=False)
+    cfg["data"]["init_args"]["image_size"] = 16
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", glyph_cache.ENV: str(cache), "PYTHONWARNINGS": "default"}
+    runner = ROOT / "tests" / "distributed" / "run_demo_ddp.py"  # lightning_dml.cli.main with the glyph cache
+
+    def run(*args: str) -> str:
+        proc = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stderr
+
+    outputs = {"fit": run(str(runner), "fit", "--config", str(config), f"--trainer.default_root_dir={tmp_path / 'a'}")}
+    checkpoint = max((tmp_path / "a").rglob("*.ckpt"), key=lambda p: p.stat().st_mtime)
+    outputs["predict"] = run(str(runner), "predict", "--config", str(config), "--ckpt_path", str(checkpoint),
+                             f"--trainer.default_root_dir={tmp_path / 'b'}")
+    outputs["export"] = run("-m", "lightning_dml.export", "--config", str(config), "--ckpt_path", str(checkpoint),
+                            "--output", str(tmp_path / "export"), "--formats", "torchscript", "torch_export")
+    for command, stderr in outputs.items():
+        for noise, what in NOISE.items():
+            assert noise not in stderr, f"{command} printed {what}:\n{stderr[-3000:]}"
