@@ -241,4 +241,11 @@ def test_report_page_title_and_figures_in_chromium(browser, tmp_path: Path):
         .map(tr => [tr.dataset.category, tr.children[1].textContent])""")
     first = next(k for k in metrics if k.startswith("category/a/"))
     assert [c[0] for c in cells] == ["a", "b", "c"] and cells[0][1] == format_metric(first, metrics[first])
+    header = page.evaluate("() => Array.from(document.querySelectorAll('#class-table th')).map(th => th.textContent)")
+    assert any(h.startswith("map@r (%)") for h in header), header  # the metric's name, as everywhere
+    per_class = {row["class"]: row for row in results.per_class()}
+    first_row = page.evaluate("""() => Array.from(document.querySelectorAll('#class-table tr')).slice(1, 2)
+        .map(tr => Array.from(tr.children).map(td => td.textContent))[0]""")
+    assert first_row[4:6] == [format_metric("recall@1", per_class[int(first_row[0])]["recall@1"]),
+                              format_metric("map@r", per_class[int(first_row[0])]["map@r"])]
     page.close()

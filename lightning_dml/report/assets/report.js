@@ -166,7 +166,7 @@ var DMLReport = (function () {
   }
 
   // ------------------------------------------------------------------------------------ per-class table
-  var CLASS_COLUMNS = [["class", "num"], ["name", "name"], ["queries", "num"], ["items", "num"], ["recall@1 (%)", "pct"], ["MAP@R (%)", "pct"]];
+  var CLASS_COLUMNS = [["class", "num"], ["name", "name"], ["queries", "num"], ["items", "num"], ["recall@1 (%)", "pct"], ["map@r (%)", "pct"]];
   function renderClasses() {
     var rows = S.per_class.filter(function (r) { return r[1].toLowerCase().indexOf(classState.filter) >= 0; });
     var k = classState.key, dir = classState.asc ? 1 : -1;
