@@ -10,8 +10,9 @@ The convention (docs/testing.md, "Documented commands"):
   them (:data:`RUN_FOLDERS`: ``logs/glyphs``, ``runs/cub-ms``) hold a copy of one tiny fitted Glyphs run (its
   ``config.yaml`` as ``fit`` saved it and ``checkpoints/last.ckpt``);
 * ``fit``, ``test`` and ``predict`` get trainer options appended that keep them to a few steps and batches
-  (:data:`FAST`: no model option, so a checkpoint still fits the page's later commands), and ``report`` from a
-  checkpoint embeds two batches of the test split;
+  (:data:`FAST`: no model option, so a checkpoint still fits the page's later commands; the logger stays the
+  default, W&B offline, whose run folder a page may read), and ``report`` from a checkpoint embeds two batches of
+  the test split; file commands between them (``cp``, ``mkdir``, ...: :data:`SHELL_PROGRAMS`) run in bash;
 * a command that cannot run here matches a rule of :data:`NOT_RUN`, which says why (a cluster, a download,
   minutes of work, a placeholder of a synopsis); every other command is run, so a new or changed command of the
   docs is tested.
@@ -26,6 +27,7 @@ import re
 import runpy
 import shlex
 import shutil
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,11 +47,13 @@ RUN_FOLDERS = ("logs/glyphs", "runs/cub-ms")
 #: drops the config's callbacks, the demo's RetrievalComparison, which embeds the whole test split twice)
 FAST: dict[str, list[str]] = {
     "fit": ["--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
-            "--trainer.enable_model_summary=false", "--trainer.logger=false", "--trainer.callbacks=[]"],
-    "test": ["--trainer.limit_test_batches=1", "--trainer.enable_progress_bar=false", "--trainer.logger=false"],
-    "predict": ["--trainer.limit_predict_batches=1", "--trainer.enable_progress_bar=false",
-                "--trainer.logger=false"],
+            "--trainer.enable_model_summary=false", "--trainer.callbacks=[]"],
+    "test": ["--trainer.limit_test_batches=1", "--trainer.enable_progress_bar=false"],
+    "predict": ["--trainer.limit_predict_batches=1", "--trainer.enable_progress_bar=false"],
 }
+
+#: programs run by bash as written (file commands a page uses between two commands of the library)
+SHELL_PROGRAMS = ("cp", "mv", "mkdir", "ls", "cat", "head", "tail", "rm")
 
 #: (pattern searched in the command, why it is not run here); the first match wins
 NOT_RUN: list[tuple[str, str]] = [
@@ -148,6 +152,9 @@ def _runner(command: DocCommand):
         from lightning_dml.cli import main
 
         return (lambda: main(args)), ["lightning-dml", *args]
+    if program in SHELL_PROGRAMS:
+        text = command.text
+        return (lambda: subprocess.run(["bash", "-c", text], check=True, timeout=60)), [program, *args]
     if program in ("python", "python3"):
         if args[:1] == ["-m"] and len(args) > 1:
             module = args[1]
