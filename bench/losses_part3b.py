@@ -22,6 +22,9 @@ two values are checked equal first. Cases:
   the positive in the denominator; pml 3's ``DecoupledContrastiveLoss`` cannot be installed): a time reference
   only, the values differ by definition (not checked, reported as nan); pml's NT-Xent forms a (positive pairs x
   negative pairs) matrix (26 GB at B = 2048): not run above B = 512.
+* ``selectively_contrastive_triplet``: against pml 2.9's ``TripletMarginLoss`` on the triplets of its
+  ``BatchEasyHardMiner`` (easiest positive, hardest negative: the same one triplet per anchor; pml 3's
+  ``SelectivelyContrastiveTripletLoss`` cannot be installed): a time reference only, the values differ.
 """
 
 from __future__ import annotations
@@ -42,12 +45,12 @@ sys.path.insert(0, HERE)
 from losses import CLOCKS, run_once  # noqa: E402  (bench/losses.py: the shared timing protocol)
 
 CASES = ["p2sgrad", "pnp", "snr_contrastive", "sphereface", "threshold_consistent_margin", "vicreg",
-         "multi_supcon", "decoupled_contrastive"]
+         "multi_supcon", "decoupled_contrastive", "selectively_contrastive_triplet"]
 #: pml materialises B x B x B (PNP), B x B x D (SNR) or (pairs x D, TCM: 17 GB at B = 2048) tensors: not run above
 #: this batch
 PML_MAX_BATCH = {"pnp": 512, "snr_contrastive": 512, "threshold_consistent_margin": 512, "decoupled_contrastive": 512}
 #: cases whose pml counterpart is not the same loss (time reference only)
-NOT_EQUAL = {"decoupled_contrastive"}
+NOT_EQUAL = {"decoupled_contrastive", "selectively_contrastive_triplet"}
 CLASSIFICATION = {"p2sgrad", "sphereface"}
 
 
@@ -93,6 +96,11 @@ def make_pair(case: str, num_classes: int, dim: int) -> Tuple[Callable, Callable
         return build_loss(case, temperature=0.1), pml.SupConLoss(temperature=0.1)
     if case == "decoupled_contrastive":
         return build_loss(case, temperature=0.1), pml.NTXentLoss(temperature=0.1)
+    if case == "selectively_contrastive_triplet":
+        from pytorch_metric_learning.miners import BatchEasyHardMiner
+
+        miner, triplet = BatchEasyHardMiner(), pml.TripletMarginLoss(margin=0.1)
+        return build_loss(case), lambda e, t: triplet(e, t, miner(e, t))
     raise ValueError(f"unknown case {case!r}; cases: {', '.join(CASES)}")
 
 

@@ -10,7 +10,7 @@ from torch import Tensor
 from lightning_dml.losses.base import batch_normaliser, masked_lse, similarity_matrix
 from lightning_dml.losses.registry import register_loss
 from lightning_dml.losses.softmax_pairs import anchor_mean
-from lightning_dml.losses.temperature import TemperaturePairLoss
+from lightning_dml.losses.supcon import SupConLoss
 
 __all__ = ["MultiSupConLoss", "jaccard_positive_mask"]
 
@@ -37,7 +37,7 @@ def jaccard_positive_mask(labels: Tensor, gallery_labels: Tensor, threshold: flo
 
 
 @register_loss("multi_supcon")
-class MultiSupConLoss(TemperaturePairLoss):
+class MultiSupConLoss(SupConLoss):
     r"""SupCon's L_out (Khosla et al., NeurIPS 2020, Eq. 2) with multi-label positives:
 
     .. math::
@@ -57,13 +57,16 @@ class MultiSupConLoss(TemperaturePairLoss):
         temperature: ``tau`` (0.1).
         threshold: ``t`` (0.3, pml's); with one label per item any ``t`` in ``[0, 1)`` gives SupCon.
 
-    Labels: ``[B]`` or label sets ``[B, L]`` padded with -1 (an empty set has no positive). DDP: ``gather_mode =
+    Labels: ``[B]`` (Jaccard 1 or 0: exactly :class:`~lightning_dml.losses.supcon.SupConLoss`, whose closed-form
+    path it then takes) or label sets ``[B, L]`` padded with -1 (an empty set has no positive). DDP: ``gather_mode =
     "references"`` (a mean over anchors with all-reduced counts). Degenerate batches: no positive pair -> 0 with zero
     gradient; one class (no negatives) and identical embeddings are finite.
     """
 
     gather_mode = "references"
     supports_label_sets = True
+    #: the label-set path computes every anchor at once
+    supports_anchor_chunks = False
 
     def __init__(self, temperature: float = 0.1, threshold: float = 0.3) -> None:
         super().__init__(temperature)
@@ -75,6 +78,8 @@ class MultiSupConLoss(TemperaturePairLoss):
         return f"temperature={self.temperature}, threshold={self.threshold}"
 
     def compute(self, anchors: Tensor, labels: Tensor, gallery: Tensor | None, gallery_labels: Tensor) -> Tensor:
+        if labels.ndim == 1 and gallery_labels.ndim == 1:  # one label per item: SupCon
+            return super().compute(anchors, labels, gallery, gallery_labels)
         g = anchors if gallery is None else gallery
         pos = jaccard_positive_mask(labels, gallery_labels, self.threshold)
         others = torch.ones_like(pos)
