@@ -30,7 +30,7 @@ def test_the_rule():
 
 
 def _row(table: str, name: str) -> list[str]:
-    return next(line.replace("|", " ").split()[1:] for line in table.splitlines() if line.split()[0] == name)
+    return next(line.replace("|", " ").split()[1:] for line in table.splitlines() if line.split()[:1] == [name])
 
 
 def test_test_table_and_index_evaluate_print_one_recall_alike():
@@ -46,6 +46,28 @@ def test_test_table_and_index_evaluate_print_one_recall_alike():
     assert header == ["ranking", "recall@1", "map@r", "neighbour_recall@4"]
     assert _row(evaluated, "exact") == ["87.50", "40.62"]
     assert evaluated.splitlines()[3].replace("|", " ").split()[-1] == "100.00"
+
+
+def test_test_prints_its_metrics_in_the_format_without_categories_too(capsys):
+    """``test`` (and ``validate``) print the metrics the one way also when the data have no categories; on main
+    only Lightning's table of fractions (0.875) was printed then."""
+    from types import SimpleNamespace
+
+    from lightning_dml.callbacks import ValidationSummary
+
+    trainer = SimpleNamespace(callback_metrics={"test/recall@1": torch.tensor(0.875), "val/recall@1": 0.5,
+                                                "test/threshold@fmr=0.01": 0.71234}, is_global_zero=True)
+    assert ValidationSummary().print_category_table(trainer, "test/", "test") is None  # no per-category table
+    printed = capsys.readouterr().out
+    assert "Test metrics, %:" in printed and "Per category" not in printed
+    assert _row(printed.split("Test metrics, %:")[1], "recall@1") == ["87.50"] and "50.00" not in printed
+    assert _row(printed.split("Test metrics, %:")[1], "threshold@fmr=0.01") == ["0.7123"]
+    trainer.callback_metrics["test/category/a/recall@1"] = 1.0
+    assert ValidationSummary().print_category_table(trainer, "test/", "test").split()[:2] == ["category", "recall@1"]
+    assert "Per category (test, queries of each category), %:" in capsys.readouterr().out
+    trainer.is_global_zero = False  # the other processes print nothing
+    ValidationSummary().print_category_table(trainer, "test/", "test")
+    assert capsys.readouterr().out == ""
 
 
 def test_report_prints_the_same_figures(tmp_path: Path, capsys):

@@ -62,9 +62,10 @@ class ValidationSummary(pl.Callback):
     :class:`~lightning_dml.callbacks.RetrievalComparison` prints its own table at the end of the same fit (the demo
     shows one table). The ``lightning-dml`` CLI adds one to every run.
 
-    Per-category metrics (``category/<name>/<metric>``, evaluation data with categories) are shown apart, as one
-    more table with one row per category and one column per metric (:attr:`category_table`), after ``fit`` and
-    also after ``validate`` and ``test``, where Lightning's own table lists every key on a line of its own.
+    After ``validate`` and ``test`` the metrics are printed too, in the format every command prints them (percent,
+    two decimals), before Lightning's own table of the logged fractions. Per-category metrics
+    (``category/<name>/<metric>``, evaluation data with categories) are shown apart, as one more table with one row
+    per category and one column per metric (:attr:`category_table`), after ``fit``, ``validate`` and ``test``.
 
     A fit can end after training steps that no validation saw (``max_steps`` or ``max_time`` between two
     validations): :meth:`is_stale` says so, from :attr:`validated_step`. The ``lightning-dml`` CLI then validates
@@ -103,17 +104,20 @@ class ValidationSummary(pl.Callback):
         return {k[len(prefix) :]: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(prefix)}
 
     def print_category_table(self, trainer: pl.Trainer, prefix: str, stage: str) -> str | None:
-        """After ``validate`` and ``test`` with per-category metrics: print (rank 0) the overall and the
-        per-category table of the ``prefix`` metrics, and return the latter (``None``, and nothing printed,
-        without categories: Lightning's own table then shows every metric on a line). Lightning prints its table
-        (every key, per-category ones included) after this one; ``--verbose false`` leaves this one alone."""
-        overall, self.category_table = format_metrics(self._values(trainer, prefix))
-        if self.category_table is not None and trainer.is_global_zero:
-            print(
-                f"\n{stage.capitalize()} metrics, %:\n{overall}\n\nPer category ({stage}, queries of each category), "
-                f"%:\n{self.category_table}\n",
-                flush=True,
+        """After ``validate`` and ``test``: print (rank 0) the table of the ``prefix`` metrics in the one printed
+        format (:mod:`lightning_dml.metrics_format`), and with per-category metrics the per-category table too;
+        return the latter (``None`` without categories). Lightning prints its own table (every logged key, as the
+        logged fraction) after this one; ``--verbose false`` leaves that one out."""
+        values = self._values(trainer, prefix)
+        self.category_table = None
+        if not values:
+            return None
+        overall, self.category_table = format_metrics(values)
+        if trainer.is_global_zero:
+            categories = "" if self.category_table is None else (
+                f"\nPer category ({stage}, queries of each category), %:\n{self.category_table}\n"
             )
+            print(f"\n{stage.capitalize()} metrics, %:\n{overall}\n{categories}", flush=True)
         return self.category_table
 
     def is_stale(self, trainer: pl.Trainer) -> bool:
