@@ -83,7 +83,8 @@ def main() -> int:
         name, batch, chunk = args.row.split(",")
         print(json.dumps(_row(name, int(batch), int(chunk), args.dim, args.repeats, args.device, args.threads)))
         return 0
-    print("| loss | B | anchor_chunk_size | peak memory of the step (MiB) | wall s / step | CPU s / step | CPU / unchunked |")
+    print("| loss | B | anchor_chunk_size | peak memory of the step (MiB) | wall s / step | CPU s / step "
+          "| CPU / unchunked |")
     print("|---|---|---|---|---|---|---|")
     for name in args.losses:
         for batch in args.batch:

@@ -19,9 +19,10 @@ gallery:
 Each block sees the gallery with its own anchors moved to the front (the gallery order the losses expect: the
 anchors are the gallery's first rows, their self-pairs removed by index), so every loss runs unchanged. The memory
 held at any time is one block's ``c x N`` matrices and their graph: ``O(c N)`` instead of ``O(B N)``; the cost is
-one extra forward pass of the loss (two for the contrastive loss), not of the model. The value and the gradients equal the unchunked loss up to
-the order of floating-point sums (tests/test_losses_anchor_chunks.py). Losses are deterministic functions of their
-inputs here (the recomputation must give the same blocks); a loss with random choices does not support chunking.
+one extra forward pass of the loss (two for the contrastive loss), not of the model. The value and the gradients
+equal the unchunked loss up to the order of floating-point sums (tests/test_losses_anchor_chunks.py). Losses are
+deterministic functions of their inputs here (the recomputation must give the same blocks); a loss with random
+choices does not support chunking. One host read per call (whether the summed block values are finite).
 Double backward through a chunked loss is not supported.
 """
 
@@ -97,7 +98,9 @@ def check_anchor_chunk_size(value: object, where: str) -> int | None:
     return int(value)
 
 
-def anchor_blocks(num_anchors: int, num_gallery: int, chunk: int, device: torch.device) -> list[tuple[int, int, Tensor]]:
+def anchor_blocks(
+    num_anchors: int, num_gallery: int, chunk: int, device: torch.device
+) -> list[tuple[int, int, Tensor]]:
     """``(start, stop, order)`` of every block of ``chunk`` anchors: ``order`` lists the gallery rows with the
     block's own anchors ``start:stop`` first, then the others in their order."""
     rows = torch.arange(num_gallery, device=device)
