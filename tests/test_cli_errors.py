@@ -129,7 +129,8 @@ def test_fit_predict_and_export_print_none_of_their_dependencies_noise(tmp_path,
     glyph_cache.install(cache)
     cfg = yaml.safe_load(GLYPHS.read_text())
     cfg["trainer"].update(max_epochs=1, max_steps=3, check_val_every_n_epoch=1, enable_checkpointing=True,
-                          enable_progress_bar=False, enable_model_summary=False, logger=False, callbacks=[])
+                          limit_val_batches=1, limit_predict_batches=1, enable_progress_bar=False,
+                          enable_model_summary=False, logger=False, callbacks=[])
     cfg["model"]["backbone"]["init_args"]["width"] = 8
     cfg["model"].update(embedding_dim=16, clustering=False)
     cfg["data"]["init_args"]["image_size"] = 16
