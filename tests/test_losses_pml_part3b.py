@@ -1,6 +1,8 @@
-"""Issue 29, package B: P2SGrad, PNP, SNR contrastive and TCM against pytorch-metric-learning (values and gradients,
-fp64; P2SGrad to pml's 1e-7 weight renormalisation) and against the papers' loop references (tests/reference_losses_part3b.py), on random and trained-like
-batches near the margins, with label sets, reference items, ties and degenerate batches; and each through the CLI.
+"""Issue 29, package B: P2SGrad, PNP, SNR contrastive, SphereFace, TCM, VICReg, MultiSupCon, DCL and SCT against
+pytorch-metric-learning (values and gradients, fp64; P2SGrad to pml's 1e-7 weight renormalisation; pml 3.0's losses
+through the pml 2.9 loss they reduce to) and against the papers' loop references (tests/reference_losses_part3b.py),
+on random and trained-like batches near the margins, with label sets, reference items, ties and degenerate batches;
+and each through the CLI.
 
 pml conventions (documented in each loss's docstring): P2SGrad's ``weight [D, C]`` is our ``proxies.T`` and pml
 renormalises it in place (its weight gradient has no tangent projection: only value and embedding gradient are
@@ -349,7 +351,8 @@ def views(seed: int, n: int = 12, d: int = 10, noise: float = 0.3) -> tuple[torc
 
 
 @pytest.mark.parametrize("seed,noise", [(0, 0.3), (1, 1.0), (2, 0.05)])
-@pytest.mark.parametrize("weights", [{}, {"invariance_lambda": 5.0, "variance_mu": 10.0, "covariance_v": 3.0, "eps": 1e-2}])
+@pytest.mark.parametrize("weights", [{}, {"invariance_lambda": 5.0, "variance_mu": 10.0, "covariance_v": 3.0,
+                                     "eps": 1e-2}])
 def test_vicreg_matches_pml(seed, noise, weights):
     """Both views get their gradient; the per-dimension stds straddle the hinge at 1 (scales 0.3 to 1.5)."""
     z, r = views(seed, noise=noise)
@@ -357,7 +360,10 @@ def test_vicreg_matches_pml(seed, noise, weights):
     loss = build_loss("vicreg", **weights)
     theirs = pml_losses.VICRegLoss(**weights)
     for view in (0, 1):
-        ours_fn = (lambda e, t: loss(e, t, r, torch.arange(n))) if view == 0 else (lambda e, t: loss(z, t, e, torch.arange(n)))
+        if view == 0:
+            ours_fn = lambda e, t: loss(e, t, r, torch.arange(n))  # noqa: E731
+        else:
+            ours_fn = lambda e, t: loss(z, t, e, torch.arange(n))  # noqa: E731
         their_fn = (lambda e, t: theirs(e, ref_emb=r)) if view == 0 else (lambda e, t: theirs(z, ref_emb=e))
         assert_same(ours_fn, their_fn, z if view == 0 else r, torch.arange(n))
 

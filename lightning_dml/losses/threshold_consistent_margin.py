@@ -51,7 +51,9 @@ class ThresholdConsistentMarginLoss(PairLoss):
         if lambda_plus < 0 or lambda_minus < 0:
             raise ValueError(f"need lambda_plus, lambda_minus >= 0, got {lambda_plus}, {lambda_minus}")
         if not (-1.0 <= margin_minus <= 1.0 and -1.0 <= margin_plus <= 1.0):
-            raise ValueError(f"margins are cosines in [-1, 1], got margin_plus={margin_plus}, margin_minus={margin_minus}")
+            raise ValueError(
+                f"margins are cosines in [-1, 1], got margin_plus={margin_plus}, margin_minus={margin_minus}"
+            )
         self.lambda_plus, self.lambda_minus = float(lambda_plus), float(lambda_minus)
         self.margin_plus, self.margin_minus = float(margin_plus), float(margin_minus)
 
