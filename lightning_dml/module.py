@@ -457,10 +457,8 @@ class DMLModule(pl.LightningModule):
         """With ``embedding_chunk_size``, warn once when BatchNorm layers train (they see chunk statistics)."""
         if self.embedding_chunk_size is None:
             return
-        was_training = self.training
-        self.train()  # the modes training will use (frozen BatchNorm stays in eval mode)
+        # the modes as fit starts (Lightning >= 2.2 keeps them; frozen BatchNorm is in eval mode)
         layers = batch_statistics_layers(self.backbone) + batch_statistics_layers(self.head)
-        self.train(was_training)
         if layers:
             rank_zero_warn(
                 f"embedding_chunk_size={self.embedding_chunk_size} with {len(layers)} BatchNorm layer(s) in training "
