@@ -32,10 +32,20 @@ from tests import reference_losses as RL
 from tests import reference_pairset_losses as RP
 from tests.test_losses_trained_like import TRAINED_LIKE, trained_like_batch
 
-SUPPORTING = [
+#: the seed losses that train on label sets, each checked against the loop reference of this file (CASES)
+SEED_SUPPORTING = [
     "binomial_deviance", "circle", "contrastive", "fastap", "lifted_structure", "multi_similarity", "nca",
     "smooth_ap", "supcon", "triplet",
 ]
+#: issue 29's losses that train on label sets (their loop references: tests/test_losses_pml_part3a.py, _part3b.py)
+PART3_SUPPORTING = [
+    "decoupled_contrastive", "dynamic_soft_margin", "generalized_lifted_structure", "histogram",
+    "intra_pair_variance", "multi_supcon", "pnp", "selectively_contrastive_triplet", "snr_contrastive",
+    "threshold_consistent_margin",
+]
+SUPPORTING = sorted(SEED_SUPPORTING + PART3_SUPPORTING)
+#: settings that make a stateful loss a function of its batch (DSM's histogram then follows each call's batch alone)
+STATELESS = {"dynamic_soft_margin": {"momentum": 1.0}}
 
 
 # ------------------------------------------------------------------------------------------------ batches
@@ -167,7 +177,7 @@ def check_label_sets(name, kw, reference, family, z, y, n_anchors=None, ref_labe
 
 def test_the_supporting_losses_are_the_declared_ones():
     assert label_set_losses() == sorted(SUPPORTING)
-    assert {c[0] for c in CASES} == set(SUPPORTING)
+    assert {c[0] for c in CASES} == set(SEED_SUPPORTING)
 
 
 @pytest.mark.parametrize("batch", sorted(BATCHES))
@@ -202,7 +212,7 @@ def test_one_label_per_item_as_sets_is_the_single_label_loss(name, device):
     z = z.to(device)
     y = y.to(device)
     padded = torch.stack([torch.full_like(y, -1), y, torch.full_like(y, -1)], dim=1)
-    for kw in ({}, {"variant": "gpw"}) if name == "lifted_structure" else ({},):
+    for kw in ({}, {"variant": "gpw"}) if name == "lifted_structure" else (STATELESS.get(name, {}),):
         loss = build_loss(name, **kw)
         for closed_form in (True, False):
             loss.closed_form = closed_form
@@ -223,7 +233,7 @@ def test_label_sets_change_the_loss(name):
     """Control: the second labels matter (a loss reading only the first column would pass the test above)."""
     z, y = trained_like_sets("at_lambda")
     first_only = torch.stack([y[:, 0], torch.full_like(y[:, 0], -1)], dim=1)
-    loss = build_loss(name)
+    loss = build_loss(name, **STATELESS.get(name, {}))
     assert not torch.allclose(loss(z, y), loss(z, first_only))
 
 
