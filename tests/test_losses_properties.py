@@ -212,7 +212,9 @@ def test_documented_degenerate_values():
 # ----------------------------------------------------------------------------------- bf16 and autocast
 #: the pair losses buildable without arguments (the proxy losses, which need num_classes, are tested in
 #: tests/test_losses_proxy.py)
-PAIR_LOSSES = sorted(n for n, c in LOSSES.items() if n != "cross_batch_memory" and not getattr(c, "needs_num_classes", False))
+# vicreg pairs two views per label (its bf16 / autocast tests: tests/test_losses_pml_part3b.py)
+PAIR_LOSSES = sorted(n for n, c in LOSSES.items()
+                     if n not in ("cross_batch_memory", "vicreg") and not getattr(c, "needs_num_classes", False))
 
 
 @pytest.mark.parametrize("name", PAIR_LOSSES)
@@ -318,7 +320,12 @@ def test_registry_defaults_of_spec_9_1():
     assert {n for n, c in LOSSES.items() if not getattr(c, "needs_num_classes", False)} == {"contrastive", "triplet", "lifted_structure", "binomial_deviance", "npair",
                            "multi_similarity", "ranked_list", "tuplet_margin", "general_pair_weighting",
                            "cross_batch_memory", "circle", "supcon", "ntxent", "nca", "angular", "fastap",
-                           "smooth_ap"}
+                           "smooth_ap",
+                           # issue 29 (part 3)
+                           "decoupled_contrastive", "dynamic_soft_margin", "generalized_lifted_structure",
+                           "histogram", "intra_pair_variance", "multi_supcon", "pnp",
+                           "selectively_contrastive_triplet", "snr_contrastive", "threshold_consistent_margin",
+                           "vicreg"}
     r = build_loss("ranked_list")
     assert (r.alpha, r.margin, r.temperature, r.lam, r.detach_gallery) == (1.2, 0.4, 10.0, 1.0, True)
     t = build_loss("tuplet_margin")

@@ -28,7 +28,9 @@ POW2_SCALES = [1.0, 2.0**64, 2.0**100]
 
 
 #: hyper-parameters for registered losses whose defaults are random or incomplete
-SETTINGS = {"tuplet_margin": {"negatives": "all"}, "margin": {"class_margins": False, "sampling": "all"}}
+SETTINGS = {"tuplet_margin": {"negatives": "all"}, "margin": {"class_margins": False, "sampling": "all"},
+            # DSM's running histogram would move between the calls compared below
+            "dynamic_soft_margin": {"momentum": 1.0}}
 #: further variants of the paper losses: (registry name, hyper-parameters)
 VARIANTS = {
     "multi_similarity_no_mining": ("multi_similarity", {"mining": False}),
