@@ -257,7 +257,8 @@ def test_ddp_gather_distributed_chunked_equals_global_unchunked_step():
 
 def test_first_pass_keeps_no_activations_and_backward_replays_one_chunk_at_a_time():
     """Memory: the first pass keeps the chunks' inputs and, besides them, what the loss saves for its backward (a
-    small part of the unchunked step's activations); in the backward each chunk's second pass is followed by its backward before the next chunk's
+    small part of the unchunked step's activations); in the backward each chunk's second pass is followed by its
+    backward before the next chunk's
     second pass starts (so one chunk's activations are live at a time)."""
     images, labels = _batch(torch.float64)
 
@@ -342,7 +343,8 @@ def test_lightning_ddp_fit_with_chunks_ends_with_the_same_weights(tmp_path):
         args = [sys.executable, str(script), str(out)] + ([] if chunk == "none" else [chunk])
         proc = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                               env=_env(PYTHONWARNINGS="ignore"))
-        assert proc.returncode == 0 and "GRADIENT-CACHE-FIT-DDP-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+        output = proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert proc.returncode == 0 and "GRADIENT-CACHE-FIT-DDP-OK" in proc.stdout, output
         weights[chunk] = torch.load(out)
     assert weights["none"].keys() == weights["4"].keys()
     for name, value in weights["none"].items():

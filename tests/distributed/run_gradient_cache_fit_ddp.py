@@ -1,5 +1,6 @@
 """2-process Lightning DDP fit (gloo, CPU) of ``DMLModule`` with ``gather_distributed`` and, when given, an
-``embedding_chunk_size`` (4 optimizer steps, gradient accumulation 2): writes rank 0's final weights to OUT (a ``torch.save`` of the state dict).
+``embedding_chunk_size`` (4 optimizer steps, gradient accumulation 2): writes rank 0's final weights to OUT (a
+``torch.save`` of the state dict).
 
 Run as a script (``python run_gradient_cache_fit_ddp.py OUT [CHUNK]``); Lightning's ``ddp`` strategy re-launches it
 for rank 1. ``tests/test_gradient_cache.py`` runs it with and without chunks and compares the weights: gradient
