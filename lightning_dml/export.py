@@ -255,8 +255,8 @@ def export_embedding_model(
     formats: Sequence[str] = DEFAULT_FORMATS,
     preprocess: tuple[Any, dict[str, Any]] | None = None,
 ) -> dict[str, Path]:
-    """Write the embedding model of ``module`` to ``directory`` in each of ``formats``, and its preprocessing
-    (``input_spec.json``, :func:`preprocessing_record`) when it is known.
+    """Write the embedding model of ``module`` to ``directory`` in each of ``formats``, and with ``preprocess``
+    its preprocessing (``input_spec.json``, :func:`preprocessing_record`).
 
     Args:
         module: a trained ``DMLModule``.
@@ -266,12 +266,11 @@ def export_embedding_model(
         formats: any of ``"safetensors"``, ``"state_dict"``, ``"torchscript"``, ``"torch_export"`` (the last two
             run code when loaded: see the module docstring).
         preprocess: ``(InputSpec, {"crop_size", "resize_size", "mode"})`` of the evaluation transform
-            (:func:`lightning_dml.run_model.preprocessing`). ``None``: the backbone's declared input spec with
-            ``example_input``'s size as the crop and the data modules' default resize; no ``input_spec.json``
-            when the backbone declares none.
+            (:func:`lightning_dml.run_model.preprocessing`; :func:`export_checkpoint` passes the run's), written
+            as ``input_spec.json``. ``None``: no ``input_spec.json``.
 
     Returns:
-        ``{format: path}`` of the files written (``"input_spec"``: the preprocessing).
+        ``{format: path}`` of the files written (and ``"input_spec"``: the preprocessing, with ``preprocess``).
     """
     unknown = [f for f in formats if f not in FORMATS]
     if unknown or not formats:
@@ -324,8 +323,6 @@ def export_embedding_model(
         program = torch.export.export(model, (example,), dynamic_shapes={"images": {0: batch}})
         _atomic_write(out / TORCH_EXPORT, lambda p: torch.export.save(program, str(p)))
         written["torch_export"] = out / TORCH_EXPORT
-    if preprocess is None:
-        preprocess = _declared_preprocessing(module, example)
     if preprocess is not None:
         metric = str(getattr(getattr(module, "test_metrics", None), "metric", "cosine"))
         spec_record = preprocessing_record(preprocess[0], preprocess[1], example.shape[1:], reference.shape[1], metric)
@@ -333,19 +330,6 @@ def export_embedding_model(
         _atomic_write(out / INPUT_SPEC, lambda p: p.write_text(text))
         written["input_spec"] = out / INPUT_SPEC
     return written
-
-
-def _declared_preprocessing(module: nn.Module, example: torch.Tensor) -> tuple[Any, dict[str, Any]] | None:
-    """The backbone's declared input spec, cropped to the example's size (``None``: it declares none)."""
-    from lightning_dml.data.transforms import default_resize_size
-    from lightning_dml.models.input_spec import backbone_input_spec
-
-    spec = backbone_input_spec(module)
-    if spec is None:
-        return None
-    crop = int(example.shape[-1])
-    return spec, {"crop_size": crop, "resize_size": default_resize_size(crop, spec),
-                  "mode": "L" if spec.color == "L" else "RGB"}
 
 
 def load_embedding_model(

@@ -52,13 +52,11 @@ def trained(tmp_path_factory):
 
 def test_every_format_is_written_and_nothing_else(trained, tmp_path):
     module, out, paths = trained
-    assert set(paths) == {"safetensors", "state_dict", "torchscript", "torch_export", "input_spec"}
-    assert sorted(p.name for p in out.iterdir()) == sorted(
-        [SAFETENSORS, STATE_DICT, TORCHSCRIPT, TORCH_EXPORT, INPUT_SPEC]
-    )
+    assert set(paths) == {"safetensors", "state_dict", "torchscript", "torch_export"}
+    assert sorted(p.name for p in out.iterdir()) == sorted([SAFETENSORS, STATE_DICT, TORCHSCRIPT, TORCH_EXPORT])
     # by default only the formats that load without running code
     default = export_embedding_model(module, tmp_path, torch.randn(2, 1, 16, 16))
-    assert set(default) == {"safetensors", "state_dict", "input_spec"}
+    assert set(default) == {"safetensors", "state_dict"}
 
 
 @pytest.mark.slow
@@ -145,7 +143,7 @@ def test_export_a_checkpoint_from_its_config(tmp_path, tmp_path_factory):
     torch.save({"state_dict": module.state_dict(), "pytorch-lightning_version": "2.6.0"}, tmp_path / "last.ckpt")
     paths = export_checkpoint(tmp_path / "config.yaml", tmp_path / "last.ckpt", tmp_path / "out",
                               ["safetensors", "torchscript"])
-    assert list(paths) == ["safetensors", "torchscript"]
+    assert list(paths) == ["safetensors", "torchscript", "input_spec"]
     module.eval()
     images = torch.randn(3, 1, 16, 16)
     with torch.no_grad():
@@ -256,10 +254,13 @@ def test_export_folder_carries_its_preprocessing_and_the_documented_lines_use_it
     from lightning_dml.index.embed import ImageEmbedder
     from lightning_dml.models.input_spec import InputSpec
 
-    if kind == "grey":
-        module, folder, _ = trained  # the backbone's declared spec, the example's size as the crop
+    if kind == "grey":  # the backbone's declared spec, cropped to 16
+        module = trained[0]
         spec = module.backbone.input_spec
         crop, resize = 16, 16
+        folder = tmp_path / "grey"
+        export_embedding_model(module, folder, torch.randn(2, 1, 16, 16), ["safetensors"],
+                               (spec, {"crop_size": crop, "resize_size": resize, "mode": "L"}))
     else:  # a Caffe-style convention: BGR, pixels in [0, 255]
         torch.manual_seed(3)
         module = DMLModule(SmallConvNet(in_channels=3, width=4), embedding_dim=8, clustering=False).eval()
