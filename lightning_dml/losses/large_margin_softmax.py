@@ -63,9 +63,9 @@ class LargeMarginSoftmaxLoss(ProxyLoss):
         self, num_classes: int | None = None, embedding_dim: int | None = None, margin: int = 4, scale: float = 1.0
     ) -> None:
         if isinstance(margin, bool) or int(margin) != margin or margin < 1:
-            raise ValueError(f"LargeMarginSoftmaxLoss: margin must be an integer >= 1, got {margin!r}")
+            raise ValueError(f"{type(self).__name__}: margin must be an integer >= 1, got {margin!r}")
         if not scale > 0:
-            raise ValueError(f"LargeMarginSoftmaxLoss: scale must be > 0, got {scale}")
+            raise ValueError(f"{type(self).__name__}: scale must be > 0, got {scale}")
         self.margin, self.scale = int(margin), float(scale)
         self._raw_norms: Tensor | None = None
         super().__init__(num_classes, embedding_dim)
