@@ -107,3 +107,35 @@ def test_an_evaluation_batch_of_images_and_labels_alone_is_accepted() -> None:
     labels = torch.tensor([1, 2])
     got = eval_batch_targets((torch.zeros(2, 3), labels))
     assert got["labels"] is labels and got["indices"] is None and got["query_mask"] is None
+
+
+# ------------------------------------------------------------------ survivors of the fresh metrics sample (seed 28)
+def test_masks_selecting_no_query_or_no_gallery_item_are_refused_by_name():
+    """``_items``' two guards: an empty query or gallery side is one clear error, not an empty search."""
+    from lightning_dml.metrics.functional import retrieval_metrics
+
+    x, y = torch.randn(10, 4, dtype=torch.float64), torch.arange(10) % 3
+    some, none = torch.ones(10, dtype=torch.bool), torch.zeros(10, dtype=torch.bool)
+    with pytest.raises(ValueError, match="gallery_mask selects no gallery item"):
+        retrieval_metrics(x, y, query_mask=some, gallery_mask=none)
+    with pytest.raises(ValueError, match="query_mask selects no query"):
+        retrieval_metrics(x, y, query_mask=none, gallery_mask=some)
+
+
+def test_category_zero_alone_is_a_category():
+    """Category ids start at 0: a set whose items all have category 0 gets its per-category metrics (equal to the
+    overall ones), through the stateful class as through the functional core."""
+    from lightning_dml.metrics import RetrievalMetrics
+    from lightning_dml.metrics.functional import retrieval_metrics
+
+    torch.manual_seed(3)
+    x, y = torch.randn(12, 4, dtype=torch.float64), torch.arange(12) % 3
+    cat = torch.zeros(12, dtype=torch.long)
+    m = RetrievalMetrics(recall_at=(1,))
+    m.update(x, y, category=cat)
+    out = m.compute()
+    expected = retrieval_metrics(x, y, recall_at=(1,), category=cat)
+    per_category = {k: v for k, v in out.items() if k.startswith("category/0/")}
+    assert per_category and per_category == {k: v for k, v in expected.items() if k.startswith("category/0/")}
+    for key, value in per_category.items():
+        assert value == out[key.removeprefix("category/0/")]
