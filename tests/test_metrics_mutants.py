@@ -139,3 +139,20 @@ def test_category_zero_alone_is_a_category():
     assert per_category and per_category == {k: v for k, v in expected.items() if k.startswith("category/0/")}
     for key, value in per_category.items():
         assert value == out[key.removeprefix("category/0/")]
+
+
+def test_more_than_8192_queries_in_one_set_up_block():
+    """The best-positive set-up works on blocks of 8192 query rows: a query block one row longer than that gives
+    the brute force's figures (integer coordinates: ties are exact, so the tie rule is checked too)."""
+    from lightning_dml.metrics.functional import retrieval_metrics
+
+    g = torch.Generator().manual_seed(5)
+    nq, ng = 8193, 12
+    x = torch.randint(-3, 4, (nq + ng, 3), generator=g).double()
+    y = torch.randint(0, 4, (nq + ng,), generator=g)
+    qm = torch.arange(nq + ng) < nq
+    got = retrieval_metrics(x, y, recall_at=(1, 2), metric="euclidean", query_mask=qm, gallery_mask=~qm,
+                            query_block=nq)
+    want = brute_task_metrics(x, y, recall_at=(1, 2), metric="euclidean", query_mask=qm, gallery_mask=~qm)
+    for key in ("recall@1", "recall@2", "map@r"):
+        assert got[key] == pytest.approx(want[key], rel=1e-12, abs=1e-15), key
