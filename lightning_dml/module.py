@@ -355,9 +355,11 @@ class DMLModule(pl.LightningModule):
 
         * restored by a ``Trainer`` (``fit``/``validate``/``test``/``predict`` with ``ckpt_path``, including
           ``--ckpt_path last``), every hyper-parameter of the checkpoint must equal this model's (the key and both
-          values are named): a resumed run continues with the settings it was trained with, an evaluation
-          evaluates the model it names. ``DMLModule.load_from_checkpoint`` keeps Lightning's way (keyword
-          arguments override the checkpoint's hyper-parameters);
+          values are named) except the evaluation settings (``checkpoints.EVALUATION_HPARAMS``: metrics,
+          recall_at, clustering) and :data:`EXECUTION_HPARAMS` (``embedding_chunk_size``): a resumed run
+          continues with the settings it was trained with, an evaluation evaluates the model it names.
+          ``DMLModule.load_from_checkpoint`` keeps Lightning's way (keyword arguments override the checkpoint's
+          hyper-parameters);
         * the weights must fit: another backbone, embedding width or fusion names the checkpoint's and this
           model's architecture (:meth:`architecture`) instead of torch's list of size mismatches.
         """
