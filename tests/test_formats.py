@@ -271,3 +271,13 @@ def test_report_page_title_and_figures_in_chromium(browser, tmp_path: Path):
     assert first_row[4:6] == [format_metric("recall@1", per_class[int(first_row[0])]["recall@1"]),
                               format_metric("map@r", per_class[int(first_row[0])]["map@r"])]
     page.close()
+
+
+def test_the_demo_table_prints_in_the_one_format():
+    """``make demo``'s comparison table (``RetrievalComparison``) follows the rule: 0.7875 is ``78.75``, not 78.8."""
+    from lightning_dml.callbacks import format_table
+    from lightning_dml.metrics_format import format_metric
+
+    table = format_table({"trained network": {"recall@1": 0.7875, "map@r": 0.41204}}, columns=("recall@1", "map@r"))
+    row = table.splitlines()[1].split()
+    assert row[-2:] == [format_metric("recall@1", 0.7875), format_metric("map@r", 0.41204)] == ["78.75", "41.20"]

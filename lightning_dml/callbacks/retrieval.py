@@ -13,6 +13,7 @@ from torch import Tensor
 
 from lightning_dml.callbacks.embedding import embed_loader
 from lightning_dml.metrics import RetrievalMetrics
+from lightning_dml.metrics_format import format_metric
 
 __all__ = ["RetrievalComparison", "RetrievalGridLogger", "evaluate_embeddings", "format_table"]
 
@@ -41,12 +42,13 @@ def evaluate_embeddings(
 
 
 def format_table(rows: dict[str, dict[str, float]], columns: tuple[str, ...] = _COLUMNS) -> str:
-    """A fixed-width text table: one row per evaluated model, metrics in percent (``-`` where a row lacks one)."""
+    """A fixed-width text table: one row per evaluated model, metrics as every command prints them
+    (:func:`lightning_dml.metrics_format.format_metric`; ``-`` where a row lacks one)."""
     name_width = max(len(name) for name in rows) + 2
     header = "".join(f"{c:>10}" for c in columns)
     lines = [f"{'':<{name_width}}{header}"]
     for name, values in rows.items():
-        cells = (f"{100 * values[c]:>10.1f}" if c in values else f"{'-':>10}" for c in columns)
+        cells = (format_metric(c, values[c], 10) if c in values else f"{'-':>10}" for c in columns)
         lines.append(f"{name:<{name_width}}" + "".join(cells))
     return "\n".join(lines)
 
