@@ -158,13 +158,15 @@ class RetrievalReport(pl.Callback):
             distributed=distributed, process_group=metric.process_group,
         )
         self.results = results
+        # the run's name on every process: trainer.log_dir broadcasts under DDP
+        run = Path(trainer.log_dir or trainer.default_root_dir).resolve().name
         if not trainer.is_global_zero:
             return
         images = image_source(dataset=dataset) if dataset is not None else None
         self.report = write_report(
             results, folder, images=images, queries=self.queries, per_page=self.per_page,
             embeddings=data["embeddings"], embedding_indices=indices, thumb_size=self.thumb_size,
-            thumb_format=self.thumb_format, title=f"Retrieval report: {stage}", source={"stage": stage},
+            thumb_format=self.thumb_format, title=f"{run}: retrieval report ({stage})", source={"stage": stage},
             overwrite=self.overwrite,
         )
         rank_zero_info(f"RetrievalReport: {self.report.index}")
