@@ -31,6 +31,11 @@ FIT = ["fit", "--config", str(GLYPHS), *FAST, *QUIET, "--trainer.enable_checkpoi
 @pytest.fixture(autouse=True)
 def _in_tmp_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    yield
+    # commands run in this process with the default (W&B) logger: end their runs and tear W&B down, as
+    # protocol.launch.finish_runs does, so the next test's fits in this worker start from a fresh W&B set-up
+    wandb.finish()
+    wandb.teardown()
 
 
 def _main(capsys, *args: str) -> tuple[int, str, str]:
