@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 import torch
+import wandb
 
 from lightning_dml.cli import main
 from lightning_dml.metrics import RetrievalMetrics
@@ -200,6 +201,10 @@ def test_every_fit_is_its_own_wandb_run_with_its_config_and_class_lists(glyph_su
     test_embeddings.pt recorded ``repeats = 0``; every fit warned "LightningCLI's args parameter is intended ..."."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["lightning-dml", "cv", "--num_folds", "2"])  # as the console script sees it
+    # start from W&B's state in a fresh process (the command's): an earlier test in this xdist worker may have left
+    # a run or W&B's set-up behind
+    wandb.finish()
+    wandb.teardown()
     run_dir, save_dir = tmp_path / "cv", tmp_path / "wb"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
