@@ -156,7 +156,7 @@ def check_label_sets(name, kw, reference, family, z, y, n_anchors=None, ref_labe
         y_all = torch.cat([pad(y[:n]), pad(ref_labels)])
     expected = reference_value(reference, family, zr, y_all, kw, n)
     (g_ref,) = torch.autograd.grad(expected, zr) if expected.requires_grad else (torch.zeros_like(z),)
-    loss = build_loss(name, **kw)
+    loss = build_loss(name, **kw).to(device)
     assert loss.supports_label_sets
     paths = (True, False) if loss._has_closed_form() else (False,)
     for closed_form in paths:
@@ -213,7 +213,7 @@ def test_one_label_per_item_as_sets_is_the_single_label_loss(name, device):
     y = y.to(device)
     padded = torch.stack([torch.full_like(y, -1), y, torch.full_like(y, -1)], dim=1)
     for kw in ({}, {"variant": "gpw"}) if name == "lifted_structure" else (STATELESS.get(name, {}),):
-        loss = build_loss(name, **kw)
+        loss = build_loss(name, **kw).to(device)
         for closed_form in (True, False):
             loss.closed_form = closed_form
             results = []

@@ -75,7 +75,7 @@ def _paths(loss):
 @pytest.mark.parametrize("scale", SCALES[1:])
 @pytest.mark.parametrize("name", NAMES)
 def test_normalising_losses_are_scale_invariant_fp32(name, scale, device):
-    loss = _normalising_loss(name)
+    loss = _normalising_loss(name).to(device)
     z, y = _batch()
     z, y = z.to(device), y.to(device)
     for closed_form in _paths(loss):
@@ -90,7 +90,7 @@ def test_normalising_losses_are_scale_invariant_fp32(name, scale, device):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_normalising_losses_are_scale_invariant_bf16_and_autocast(name, device):
-    loss = _normalising_loss(name)
+    loss = _normalising_loss(name).to(device)
     z, y = _batch(1)
     zb, y = z.bfloat16().to(device), y.to(device)
     expected = loss(zb, y)

@@ -57,7 +57,7 @@ class RetrievalComparison(pl.Callback):
     """Evaluate the test split three ways and print a table when training ends.
 
     Rows, in order: ``raw pixels`` (flattened input images as embeddings), ``untrained network`` (the model
-    before its first step) and ``trained network`` (the model when ``fit`` ends). Each row has Recall@1/2/4/8,
+    before its first step) and ``trained network`` (the model when training ends). Each row has Recall@1/2/4/8,
     MAP@R and NMI on the test classes, which the training classes do not include. The table is also written to
     ``<log_dir>/retrieval_comparison.txt`` and the rows are logged as ``comparison/<row>/<metric>``.
 
@@ -102,7 +102,9 @@ class RetrievalComparison(pl.Callback):
                 "model is not untrained)"
             )
 
-    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # not on_fit_end: Lightning calls that after its strategy's teardown has moved the module to the CPU,
+        # while the loader's batches still go to the root device (a CUDA fit failed here)
         self.rows["trained network"] = self._evaluate(trainer, pl_module)
         table = format_table(self.rows)
         log_dir = trainer.log_dir  # every process: a collective (broadcast from rank 0) under DDP
