@@ -10,6 +10,8 @@ give the unchunked value and gradients.
   ``B = 512``; the blocks only change the order of the row and batch sums);
 * the graph kept for the backward is the gallery, not the ``B x N`` matrices (saved-tensor hooks);
 * controls: per-block normalisers (a naive chunking) do NOT give the loss, so the comparisons can fail;
+* tuplet margin (``negatives="all"``): its variance means are batch-wide with a gradient, computed over all blocks
+  first; the chunked loss does not equal the loss with the means detached (the chain-rule term is tested);
 * bad values and losses whose terms couple anchors are rejected with a message naming the loss;
 * under DDP (2 gloo processes, ``gather_distributed``'s reference path): tests/distributed/run_anchor_chunks_ddp.py.
 """
@@ -47,6 +49,9 @@ VARIANTS = [
     ("fastap", {}),
     ("lifted_structure", {"variant": "generalized"}),
     ("lifted_structure", {"variant": "star"}),
+    ("tuplet_margin", {"negatives": "all"}),
+    ("tuplet_margin", {"negatives": "all", "scale": 8.0, "variance_weight": 20.0}),
+    ("tuplet_margin", {"negatives": "all", "scale": 8.0, "variance_weight": 20.0, "detach_mean": True}),
 ]
 IDS = [f"{name}-{kw}" for name, kw in VARIANTS]
 B, M, DIM = 24, 7, 16
@@ -83,6 +88,8 @@ def _assert_equal(got, want, tol):
 @pytest.mark.parametrize("kind", ["random", "clustered"])
 @pytest.mark.parametrize("name, kwargs", VARIANTS, ids=IDS)
 def test_chunked_equals_unchunked_fp64(name, kwargs, kind, closed_form):
+    if name == "tuplet_margin" and not closed_form:
+        pytest.skip("tuplet margin has one (autograd) path: the closed_form case runs it")
     x, y = _batch(kind)
     xr, yr = _batch(kind, seed=1)
     ref, ref_y = xr[:M], yr[:M]
@@ -108,8 +115,8 @@ def test_chunked_equals_unchunked_with_label_sets(name, kwargs):
         _assert_equal(_loss_and_grads(name, kwargs, 5, closed_form, x, sets, ref, ref_sets), want, 1e-12)
 
 
-@pytest.mark.parametrize("name, kwargs", [VARIANTS[0], VARIANTS[4], VARIANTS[7], VARIANTS[11], VARIANTS[16]],
-                         ids=[IDS[0], IDS[4], IDS[7], IDS[11], IDS[16]])
+@pytest.mark.parametrize("name, kwargs", [VARIANTS[i] for i in (0, 4, 7, 11, 16, 21)],
+                         ids=[IDS[i] for i in (0, 4, 7, 11, 16, 21)])
 def test_chunked_fp32_within_stated_bound(name, kwargs):
     g = torch.Generator().manual_seed(3)
     y = torch.arange(256) % 32
@@ -119,6 +126,19 @@ def test_chunked_fp32_within_stated_bound(name, kwargs):
     got = _loss_and_grads(name, kwargs, 32, True, x, y)
     assert got[0].dtype == torch.float32
     _assert_equal(got, want, 5e-6)
+
+
+def test_tuplet_margin_chunks_carry_the_gradient_through_the_batch_means():
+    """Tuplet margin's variance means ``mu`` (TML Eqs. 15-16) are batch-wide with a gradient: the chunked loss
+    equals the unchunked one (above) and NOT the loss with ``mu`` detached, so the chain-rule term through ``mu``
+    that each block adds is what the comparison checks; blocks of 1 and an uneven last block."""
+    x, y = _batch("clustered")
+    kw = {"negatives": "all", "scale": 8.0, "variance_weight": 20.0}
+    want = _loss_and_grads("tuplet_margin", kw, None, True, x, y)
+    detached = _loss_and_grads("tuplet_margin", {**kw, "detach_mean": True}, None, True, x, y)
+    assert _rel(detached[1][0], want[1][0]) > 1e-3  # the gradient through mu matters in this batch
+    for chunk in (1, 5):
+        _assert_equal(_loss_and_grads("tuplet_margin", kw, chunk, True, x, y), want, 1e-12)
 
 
 def test_graph_keeps_the_gallery_not_the_pair_matrices():
@@ -187,6 +207,9 @@ def test_losses_whose_terms_couple_anchors_reject_chunks():
         with pytest.raises(ValueError, match=f"{type(loss).__name__}.*does not take anchor_chunk_size"):
             loss.set_anchor_chunk_size(8)
         loss.set_anchor_chunk_size(None)  # turning it off is always fine
+    # tuplet margin's random negatives are drawn over the whole batch: only negatives="all" is chunked
+    with pytest.raises(ValueError, match=r"negatives='random_per_class'.*use negatives='all'"):
+        LOSSES["tuplet_margin"](anchor_chunk_size=8)
 
 
 def test_batch_within_one_block_is_the_plain_call():

@@ -37,6 +37,7 @@ VARIANTS = {
     "smooth_ap": ("smooth_ap", {"temperature": 0.1}),
     "fastap": ("fastap", {}),
     "lifted_structure_generalized": ("lifted_structure", {"variant": "generalized"}),
+    "tuplet_margin_all": ("tuplet_margin", {"negatives": "all", "scale": 8.0, "variance_weight": 20.0}),
 }
 
 
