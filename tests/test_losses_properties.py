@@ -325,7 +325,8 @@ def test_registry_defaults_of_spec_9_1():
                            "decoupled_contrastive", "dynamic_soft_margin", "generalized_lifted_structure",
                            "histogram", "intra_pair_variance", "multi_supcon", "pnp",
                            "selectively_contrastive_triplet", "snr_contrastive", "threshold_consistent_margin",
-                           "vicreg"}
+                           "vicreg",
+                           "hyp_vit"}
     r = build_loss("ranked_list")
     assert (r.alpha, r.margin, r.temperature, r.lam, r.detach_gallery) == (1.2, 0.4, 10.0, 1.0, True)
     t = build_loss("tuplet_margin")

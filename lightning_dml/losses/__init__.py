@@ -58,6 +58,10 @@ from lightning_dml.losses.sphereface import SphereFaceLoss
 from lightning_dml.losses.threshold_consistent_margin import ThresholdConsistentMarginLoss
 from lightning_dml.losses.vicreg import VICRegLoss
 
+# hyperbolic embeddings (issue 29 section 3; each registers itself with @register_loss where it is defined)
+from lightning_dml.losses.hyperbolic import HypViTLoss
+from lightning_dml.losses.hier import HIERLoss
+
 __all__ = [
     "LOSSES",
     "build_loss",
@@ -105,4 +109,6 @@ __all__ = [
     "SphereFaceLoss",
     "ThresholdConsistentMarginLoss",
     "VICRegLoss",
+    "HypViTLoss",
+    "HIERLoss",
 ]
