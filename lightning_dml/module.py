@@ -22,6 +22,7 @@ from lightning_dml.losses.distributed import gathered_loss
 from lightning_dml.metrics import RetrievalMetrics, progress_bars
 from lightning_dml.models.backbones import check_levels
 from lightning_dml.models.heads import LinearEmbedding, MultiLevelEmbedding
+from lightning_dml.regularizers import RegularizationTerms
 
 _FUSION = ("none", "concat", "per_level")
 
@@ -148,6 +149,12 @@ class DMLModule(pl.LightningModule):
             BatchNorm layers that train (they normalise by each chunk's statistics: use ``freeze_bn`` and a
             ``head_norm`` other than ``"batch"``; a warning says so when fit starts). ``None``: off. Evaluation is
             not chunked. A run may resume with another value.
+        regularizers: weighted regularization terms added to the training loss (``docs/regularizers.md``), each a
+            dict ``{"regularizer": "lp", "weight": 0.001, "target": "embeddings", "init_args": {...}, "name": ...}``
+            (:class:`~lightning_dml.regularizers.RegularizationTerms`): ``target: embeddings`` regularises the
+            training batch's raw embeddings (each process's own batch under ``gather_distributed``; each level's
+            with ``fusion="per_level"``, summed), ``target: loss_weights`` the rows of a proxy loss's ``proxies``. Each
+            weighted term is logged as ``train/reg/<name>``; ``train/loss`` is the pair loss plus their sum.
 
     Losses with parameters (:class:`~lightning_dml.losses.ProxyLoss`: Proxy-Anchor, ArcFace, ...): a config may
     leave out their ``num_classes`` and ``embedding_dim``; ``setup("fit")`` fills them in from the data module's
@@ -188,6 +195,7 @@ class DMLModule(pl.LightningModule):
         loss_sizes: dict[str, int] | None = None,
         metrics: Sequence[str] = (),
         embedding_chunk_size: int | None = None,
+        regularizers: Sequence[dict[str, Any]] = (),
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["backbone", "loss", "optimizer", "lr_scheduler"])
@@ -233,6 +241,7 @@ class DMLModule(pl.LightningModule):
         self.loss = build_loss(loss) if isinstance(loss, str) else loss
         #: with ``fusion="per_level"`` and a loss with parameters: one loss per level (the first is ``self.loss``)
         self.level_losses = self._make_level_losses()
+        self.regularization = RegularizationTerms(regularizers, self.loss, per_level=fusion == "per_level")
         self.loss_lr_multiplier = float(loss_lr_multiplier)
         self.loss_weight_decay = float(loss_weight_decay)
         if loss_sizes:
@@ -531,10 +540,21 @@ class DMLModule(pl.LightningModule):
                 self.log(f"train/loss_{name}", value, batch_size=batch_size, sync_dist=self.gather_distributed)
             loss = torch.stack(level_losses).sum()
         else:
-            loss = self._pair_loss(self._training_embeddings(self, images), labels)
+            embeddings = self._training_embeddings(self, images)
+            loss = self._pair_loss(embeddings, labels)
+        loss = self._add_regularization(loss, embeddings, batch_size)
         # with gather_distributed the processes' values average to the global-batch loss (losses.distributed)
         self.log("train/loss", loss, prog_bar=True, batch_size=batch_size, sync_dist=self.gather_distributed)
         return loss
+
+    def _add_regularization(self, loss: torch.Tensor, embeddings: Any, batch_size: int) -> torch.Tensor:
+        """``loss`` plus the weighted ``regularizers`` terms, each logged as ``train/reg/<name>``."""
+        if not len(self.regularization):
+            return loss
+        terms = self.regularization(embeddings, self.trained_losses())
+        for name, value in terms.items():
+            self.log(f"train/reg/{name}", value, batch_size=batch_size, sync_dist=self.gather_distributed)
+        return loss + torch.stack(list(terms.values())).sum().to(loss.dtype)
 
     def _training_embeddings(self, embed: Any, images: torch.Tensor) -> Any:
         """``embed(images)``, in chunks of ``embedding_chunk_size`` with gradient caching when it is set."""
