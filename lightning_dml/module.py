@@ -314,6 +314,14 @@ class DMLModule(pl.LightningModule):
                     f"{type(loss).__name__} needs num_classes and it cannot be filled in ({source}): set it in the "
                     "loss's init_args"
                 )
+            if getattr(loss, "needs_class_counts", False) and getattr(loss, "class_counts", None) is None:
+                counts = getattr(datamodule, "train_class_counts", None)  # DynamicArcFaceLoss's margins
+                if counts is None:
+                    raise ValueError(
+                        f"{type(loss).__name__} needs class_counts and {type(datamodule).__name__} gives no "
+                        "train_class_counts: set class_counts in the loss's init_args"
+                    )
+                loss.set_class_counts(counts)
             loss.to(self.device)
         if class_ids is not None:
             self.train_class_ids = class_ids.to(self.device)

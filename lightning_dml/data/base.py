@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_dml.data.image_list import collate_skipping
 from lightning_dml.data.resumable import ResumableDataLoader
+from lightning_dml.data.views import ViewsCollate, ViewsDataset, check_views
 from lightning_dml.data.samplers import (
     BalancedClassSampler,
     CategoryBalancedSampler,
@@ -72,6 +73,11 @@ class DMLDataModule(pl.LightningDataModule):
         fold_seed: seed of the fold assignment (apart from ``seed``, so the sampler's seed can change while the
             folds stay the same).
         categories_per_batch: C of ``sampler="category"`` (the batch size is then C * P * K); only with it.
+        views: ``V`` augmented views of every training item (1: none). With ``V >= 2`` each drawn item is read ``V``
+            times through the training transform and the batch holds ``V * P * K`` images, view-major, labelled by
+            the item's index in the training split (not its class): the batches of
+            :class:`~lightning_dml.losses.SelfSupervisedLoss` (:mod:`lightning_dml.data.views`). Evaluation is
+            unchanged.
     """
 
     def __init__(
@@ -89,8 +95,10 @@ class DMLDataModule(pl.LightningDataModule):
         num_folds: int | None = None,
         fold_seed: int = 0,
         categories_per_batch: int | None = None,
+        views: int = 1,
     ) -> None:
         super().__init__()
+        self.views = check_views(views)
         if classes_per_batch < 1 or samples_per_class < 1:
             raise ValueError(
                 f"classes_per_batch and samples_per_class must be >= 1, got {classes_per_batch} and {samples_per_class}"
@@ -170,6 +178,15 @@ class DMLDataModule(pl.LightningDataModule):
         if self.train_dataset is None:
             self.setup("fit")
         return torch.unique(torch.as_tensor(self.train_dataset.labels))
+
+    @property
+    def train_class_counts(self) -> torch.Tensor:
+        """The number of training items of every class, in the order of :attr:`train_class_ids` (a loss with
+        ``needs_class_counts``, such as :class:`~lightning_dml.losses.DynamicArcFaceLoss`, gets them from
+        ``DMLModule`` when fit starts)."""
+        if self.train_dataset is None:
+            self.setup("fit")
+        return torch.unique(torch.as_tensor(self.train_dataset.labels), return_counts=True)[1]
 
     @property
     def num_train_classes(self) -> int:
@@ -338,10 +355,11 @@ class DMLDataModule(pl.LightningDataModule):
         self.setup("fit")
         self._check_no_replacement()
         self.train_sampler = self.build_train_sampler()
+        dataset, collate = self.train_dataset, self.train_collate_fn()
+        if self.views > 1:  # V views of each item, labelled by item (lightning_dml.data.views)
+            dataset, collate = ViewsDataset(dataset, self.views), ViewsCollate(collate, self.views)
         # Resumable: a run restarted from a mid-epoch checkpoint continues the epoch's batch sequence.
-        return ResumableDataLoader(
-            self.train_dataset, batch_sampler=self.train_sampler, collate_fn=self.train_collate_fn(), **self._loader_kwargs()
-        )
+        return ResumableDataLoader(dataset, batch_sampler=self.train_sampler, collate_fn=collate, **self._loader_kwargs())
 
     def _eval_loader(self, dataset: Dataset) -> DataLoader:
         sampler = EvalShardSampler(dataset)

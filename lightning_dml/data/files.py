@@ -176,6 +176,8 @@ class ImageFilesDataModule(DMLDataModule):
             (:meth:`on_after_batch_transfer`), with the same per-sample random decisions (the batch's seed), so the
             batches are bit-identical to ``augment_on_device=False`` and mid-epoch resume stays exact. Without a
             trainer, call ``datamodule.on_after_batch_transfer(batch, 0)`` on each training batch.
+        views: ``V`` views of every training item, each its own random crop and flip, labelled by item (see
+            :class:`DMLDataModule`; for :class:`~lightning_dml.losses.SelfSupervisedLoss`).
 
     :meth:`read_splits` may return more splits than ``"train"`` and ``"test"`` (a table's ``"validation"``):
     they are checked and verified like the others, and every built dataset is in :attr:`split_datasets`.
@@ -214,10 +216,12 @@ class ImageFilesDataModule(DMLDataModule):
         cache: str | None = None,
         cache_size: int = 256,
         augment_on_device: bool = False,
+        views: int = 1,
     ) -> None:
         super().__init__(
             classes_per_batch, samples_per_class, eval_batch_size, num_workers, seed, sampler, hard_class_mining,
             val_classes_fraction, input_spec, fold, num_folds, fold_seed, categories_per_batch=categories_per_batch,
+            views=views,
         )
         if on_corrupt not in ("error", "skip"):
             raise ValueError(f"on_corrupt must be 'error' or 'skip', got {on_corrupt!r}")

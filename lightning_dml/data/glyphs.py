@@ -231,6 +231,7 @@ class GlyphsDataModule(DMLDataModule):
         classes_per_batch, samples_per_class, eval_batch_size, num_workers, sampler, hard_class_mining,
             val_classes_fraction, fold, num_folds, fold_seed: see :class:`DMLDataModule` (validation classes,
             held out or a fold, are taken from the training half; the test half is never touched).
+        views: see :class:`DMLDataModule`; the glyphs have no random augmentation, so their views are identical.
         input_spec: the input convention; default the backbone's, read at set-up (see :class:`DMLDataModule`).
             When set it replaces ``channels``, ``mean`` and ``std``: the grey glyph is repeated to the spec's
             channels and converted to its value scale and per-channel mean/std. ``image_size`` stays the rendering
@@ -256,10 +257,11 @@ class GlyphsDataModule(DMLDataModule):
         fold: int | None = None,
         num_folds: int | None = None,
         fold_seed: int = 0,
+        views: int = 1,
     ) -> None:
         super().__init__(
             classes_per_batch, samples_per_class, eval_batch_size, num_workers, seed, sampler, hard_class_mining,
-            val_classes_fraction, input_spec, fold, num_folds, fold_seed,
+            val_classes_fraction, input_spec, fold, num_folds, fold_seed, views=views,
         )
         if not 0.0 < train_fraction < 1.0:
             raise ValueError(f"train_fraction must be in (0, 1), got {train_fraction}")

@@ -58,6 +58,12 @@ from lightning_dml.losses.sphereface import SphereFaceLoss
 from lightning_dml.losses.threshold_consistent_margin import ThresholdConsistentMarginLoss
 from lightning_dml.losses.vicreg import VICRegLoss
 
+# pml 2.x / 3.0 losses, part 3c (issue 29; each registers itself with @register_loss where it is defined)
+from lightning_dml.losses.instance import InstanceLoss
+from lightning_dml.losses.dynamic_arcface import DynamicArcFaceLoss
+from lightning_dml.losses.manifold import ManifoldLoss
+from lightning_dml.losses.self_supervised import SelfSupervisedLoss
+
 # hyperbolic embeddings (issue 29 section 3; each registers itself with @register_loss where it is defined)
 from lightning_dml.losses.hyperbolic import HypViTLoss
 from lightning_dml.losses.hier import HIERLoss
@@ -109,6 +115,10 @@ __all__ = [
     "SphereFaceLoss",
     "ThresholdConsistentMarginLoss",
     "VICRegLoss",
+    "DynamicArcFaceLoss",
+    "InstanceLoss",
+    "ManifoldLoss",
+    "SelfSupervisedLoss",
     "HypViTLoss",
     "HIERLoss",
 ]
