@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from lightning_dml.losses.proxies import ProxyLoss, proxy_softmax_loss
+from lightning_dml.losses.proxies import ProxyLoss
 from lightning_dml.losses.registry import register_loss
 
 __all__ = ["ArcFaceLoss", "additive_angular_margin"]
@@ -44,6 +44,10 @@ class ArcFaceLoss(ProxyLoss):
         embedding_dim: width of the embeddings; filled in by ``DMLModule`` when left out.
         scale: ``s`` (paper: 64).
         margin: angular margin ``m`` in **radians** (paper: 0.5).
+        sharded: split the class weights over the DDP processes and reduce the softmax across them (Partial FC,
+            :mod:`lightning_dml.losses.partial_fc`); on one process the plain loss.
+        sample_rate: with ``sharded``, the fraction of each process's class weights in each step's softmax, the
+            batch's classes always kept (Partial FC's sampling; 1: all, the exact loss).
 
     Weights are initialised normal with std 0.01 (the ArcFace code's classifier init).
 
@@ -55,6 +59,7 @@ class ArcFaceLoss(ProxyLoss):
 
     #: weights per class (``K`` sub-centres in :class:`SubCenterArcFaceLoss`; the nearest one counts)
     sub_centers: int = 1
+    supports_sampling = True
 
     def __init__(
         self,
@@ -62,13 +67,17 @@ class ArcFaceLoss(ProxyLoss):
         embedding_dim: int | None = None,
         scale: float = 64.0,
         margin: float = 0.5,
+        sharded: bool = False,
+        sample_rate: float = 1.0,
     ) -> None:
         if scale <= 0:
             raise ValueError(f"{type(self).__name__}: scale must be > 0, got {scale}")
         if not 0.0 <= margin < math.pi / 2:
             raise ValueError(f"{type(self).__name__}: margin must be in [0, pi/2) radians, got {margin}")
         self.scale, self.margin = float(scale), float(margin)
-        super().__init__(num_classes, embedding_dim, proxies_per_class=self.sub_centers)
+        super().__init__(
+            num_classes, embedding_dim, proxies_per_class=self.sub_centers, sharded=sharded, sample_rate=sample_rate
+        )
 
     def reset_parameters(self) -> None:
         if self.proxies is not None:
@@ -83,4 +92,4 @@ class ArcFaceLoss(ProxyLoss):
 
     def proxy_loss(self, x: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
         # the cosine to a class is the one to its nearest sub-centre (max pooling over proxies_per_class; 1 here)
-        return proxy_softmax_loss(x, proxies, labels, self.scale, self.target_cosine, per_class=self.proxies_per_class)
+        return self.softmax_loss(x, proxies, labels, self.scale, self.target_cosine, per_class=self.proxies_per_class)

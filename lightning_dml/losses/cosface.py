@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from lightning_dml.losses.proxies import ProxyLoss, proxy_softmax_loss
+from lightning_dml.losses.proxies import ProxyLoss
 from lightning_dml.losses.registry import register_loss
 
 __all__ = ["CosFaceLoss"]
@@ -25,6 +25,10 @@ class CosFaceLoss(ProxyLoss):
         embedding_dim: width of the embeddings; filled in by ``DMLModule`` when left out.
         scale: ``s`` (paper: 64).
         margin: cosine margin ``m`` (paper: 0.35).
+        sharded: split the class weights over the DDP processes and reduce the softmax across them (Partial FC,
+            :mod:`lightning_dml.losses.partial_fc`); on one process the plain loss.
+        sample_rate: with ``sharded``, the fraction of each process's class weights in each step's softmax, the
+            batch's classes always kept (Partial FC's sampling; 1: all, the exact loss).
 
     Weights are initialised normal with std 0.01 (the face-recognition code's classifier init).
 
@@ -32,17 +36,21 @@ class CosFaceLoss(ProxyLoss):
     loss; it stores the weights transposed (``W [embedding_size, num_classes]`` = our ``proxies.T``).
     """
 
+    supports_sampling = True
+
     def __init__(
         self,
         num_classes: int | None = None,
         embedding_dim: int | None = None,
         scale: float = 64.0,
         margin: float = 0.35,
+        sharded: bool = False,
+        sample_rate: float = 1.0,
     ) -> None:
         if scale <= 0:
             raise ValueError(f"CosFaceLoss: scale must be > 0, got {scale}")
         self.scale, self.margin = float(scale), float(margin)
-        super().__init__(num_classes, embedding_dim)
+        super().__init__(num_classes, embedding_dim, sharded=sharded, sample_rate=sample_rate)
 
     def reset_parameters(self) -> None:
         if self.proxies is not None:
@@ -56,4 +64,4 @@ class CosFaceLoss(ProxyLoss):
         return cos - self.margin
 
     def proxy_loss(self, x: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
-        return proxy_softmax_loss(x, proxies, labels, self.scale, self.target_cosine)
+        return self.softmax_loss(x, proxies, labels, self.scale, self.target_cosine)

@@ -265,19 +265,45 @@ class ProxyLoss(nn.Module):
         "train_class_ids); its paper defines it for one class per item"
     )
 
+    #: ``sample_rate < 1`` (Partial FC's sampled negative centres) is defined for this loss
+    #: (:mod:`lightning_dml.losses.partial_fc`)
+    supports_sampling: bool = False
+
     def __init__(
-        self, num_classes: int | None = None, embedding_dim: int | None = None, proxies_per_class: int = 1
+        self,
+        num_classes: int | None = None,
+        embedding_dim: int | None = None,
+        proxies_per_class: int = 1,
+        *,
+        sharded: bool = False,
+        sample_rate: float = 1.0,
     ) -> None:
         super().__init__()
         name = type(self).__name__
         self.num_classes = _check_size(num_classes, "num_classes", name, 2)
         self.embedding_dim = _check_size(embedding_dim, "embedding_dim", name, 1)
         self.proxies_per_class = _check_size(proxies_per_class, "proxies_per_class", name, 1)
+        if not isinstance(sharded, bool):
+            raise ValueError(f"{name}: sharded must be true or false, got {sharded!r}")
+        if isinstance(sample_rate, bool) or not isinstance(sample_rate, (int, float)) or not 0 < sample_rate <= 1:
+            raise ValueError(f"{name}: sample_rate must be a number in (0, 1], got {sample_rate!r}")
+        if sample_rate < 1 and not (sharded and self.supports_sampling):
+            raise ValueError(
+                f"{name}: sample_rate={sample_rate} needs sharded=True"
+                if self.supports_sampling
+                else f"{name}: sample_rate < 1 (Partial FC's sampled negative centres) is defined for the "
+                "softmax-classification losses only (normalized_softmax, cosface, arcface, subcenter_arcface)"
+            )
+        self.sharded, self.sample_rate = sharded, float(sample_rate)
+        #: the processes the proxies are split over, and this process's classes ``[shard_start, shard_stop)``
+        self.shard_world, self.shard_start, self.shard_stop = 1, 0, self.num_classes
         self.register_parameter("proxies", None)
         if hasattr(self, "register_load_state_dict_pre_hook"):  # public since torch 2.x
             self.register_load_state_dict_pre_hook(_create_proxies_from_state_dict)
         else:  # older torch: the same hook through the long-standing registration method
             self._register_load_state_dict_pre_hook(_create_proxies_from_state_dict, with_module=True)
+        if sharded:  # the state dict holds all classes' proxies, whatever the number of processes
+            self.register_state_dict_post_hook(_gather_sharded_proxies)
         self.complete()
 
     # ------------------------------------------------------------------ sizes and parameters
@@ -304,10 +330,44 @@ class ProxyLoss(nn.Module):
             if value is not None:
                 setattr(self, attr, value)
         if self.proxies is None and self.num_classes is not None and self.embedding_dim is not None:
-            rows = self.num_classes * self.proxies_per_class
+            self._place_shard()
+            rows = (self.shard_stop - self.shard_start) * self.proxies_per_class
             self.proxies = nn.Parameter(torch.empty(rows, self.embedding_dim))
             self.reset_parameters()
         return self
+
+    def _place_shard(self) -> None:
+        """This process's classes: all of them, or with ``sharded`` its block of the current process group
+        (:func:`~lightning_dml.losses.partial_fc.shard_range`)."""
+        from lightning_dml.distributed import get_rank, get_world_size
+        from lightning_dml.losses.partial_fc import shard_range
+
+        world = get_world_size() if self.sharded else 1
+        try:
+            start, stop = shard_range(self.num_classes, world, get_rank() if world > 1 else 0)
+        except ValueError as err:
+            raise ValueError(f"{type(self).__name__}: {err}") from None
+        self.shard_world, self.shard_start, self.shard_stop = world, start, stop
+
+    def softmax_loss(
+        self,
+        x: Tensor,
+        proxies: Tensor,
+        labels: Tensor,
+        scale: float,
+        target_fn: Callable[[Tensor], Tensor] | None = None,
+        exclude_target: bool = False,
+        per_class: int = 1,
+    ) -> Tensor:
+        """:func:`proxy_softmax_loss`, or with ``sharded`` over several processes (or ``sample_rate < 1``) its
+        Partial FC form :func:`~lightning_dml.losses.partial_fc.sharded_softmax_loss` (same arguments)."""
+        if self.shard_world == 1 and self.sample_rate == 1.0:
+            return proxy_softmax_loss(x, proxies, labels, scale, target_fn, exclude_target, per_class)
+        from lightning_dml.losses.partial_fc import sharded_softmax_loss
+
+        return sharded_softmax_loss(
+            x, labels, proxies, self.shard_start, scale, target_fn, exclude_target, per_class, self.sample_rate
+        )
 
     def reset_parameters(self) -> None:
         """(Re-)initialise the proxies: standard normal unless the loss's paper code says otherwise."""
@@ -315,7 +375,10 @@ class ProxyLoss(nn.Module):
             nn.init.normal_(self.proxies)
 
     def extra_repr(self) -> str:
-        return f"num_classes={self.num_classes}, embedding_dim={self.embedding_dim}"
+        text = f"num_classes={self.num_classes}, embedding_dim={self.embedding_dim}"
+        if self.sharded:
+            text += f", sharded=True, sample_rate={self.sample_rate}"
+        return text
 
     # ------------------------------------------------------------------ call
     def forward(
@@ -339,6 +402,15 @@ class ProxyLoss(nn.Module):
             )
         if isinstance(labels, Tensor) and labels.ndim == 2:
             raise label_sets_error(self, tuple(labels.shape))
+        if self.sharded:
+            from lightning_dml.distributed import get_world_size
+
+            if get_world_size() != self.shard_world:
+                raise ValueError(
+                    f"{name}'s proxies are split over {self.shard_world} process(es), but {get_world_size()} run "
+                    "now: create the loss (or complete() it) after the process group, or load_state_dict to "
+                    "split them again"
+                )
         check_inputs(embeddings, labels)
         if embeddings.shape[1] != self.embedding_dim:
             raise ValueError(
@@ -366,10 +438,29 @@ class ProxyLoss(nn.Module):
 
 
 def _create_proxies_from_state_dict(module: ProxyLoss, state_dict: dict, prefix: str, *args) -> None:
-    """Load-state-dict pre-hook: an incomplete loss takes its sizes from the proxies being loaded."""
+    """Load-state-dict pre-hook: an incomplete loss takes its sizes from the proxies being loaded; a sharded loss
+    takes its rows of the saved matrix of all classes (split over the processes running now)."""
     saved = state_dict.get(prefix + "proxies")
     if module.proxies is None and isinstance(saved, Tensor) and saved.ndim == 2:
         rows, width = saved.shape
         if rows % module.proxies_per_class == 0:
             module.complete(rows // module.proxies_per_class, width)
             module.proxies.data = module.proxies.data.to(device=saved.device, dtype=saved.dtype)
+    k = module.proxies_per_class
+    if module.sharded and isinstance(saved, Tensor) and saved.ndim == 2 and saved.shape[0] == module.num_classes * k:
+        module._place_shard()
+        state_dict[prefix + "proxies"] = saved[module.shard_start * k : module.shard_stop * k]
+        rows = (module.shard_stop - module.shard_start) * k
+        if module.proxies is not None and module.proxies.shape[0] != rows:  # created under another world size
+            module.proxies.data = module.proxies.data.new_empty(rows, module.proxies.shape[1])
+
+
+def _gather_sharded_proxies(module: ProxyLoss, state_dict: dict, prefix: str, local_metadata: dict) -> None:
+    """State-dict post-hook of a sharded loss: the proxies of all classes, gathered from the processes in rank
+    order (a collective: every process calls ``state_dict()``), so that a checkpoint loads at any world size."""
+    key = prefix + "proxies"
+    if module.shard_world > 1 and key in state_dict:
+        from lightning_dml.distributed import all_gather_uneven
+
+        (parts,) = all_gather_uneven(state_dict[key].detach())
+        state_dict[key] = torch.cat(parts)

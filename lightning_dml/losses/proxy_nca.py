@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_dml.losses.proxies import ProxyLoss, proxy_softmax_loss
+from lightning_dml.losses.proxies import ProxyLoss
 from lightning_dml.losses.registry import register_loss
 
 __all__ = ["ProxyNCALoss"]
@@ -32,6 +32,8 @@ class ProxyNCALoss(ProxyLoss):
         temperature: ``T`` (ProxyNCA: 1; ProxyNCA++ uses a low temperature, e.g. 1/9).
         exclude_positive: leave the positive proxy out of the denominator (ProxyNCA's equation). The loss is then
             unbounded below (``d_pos - logsumexp(-d_neg)``), as in the paper.
+        sharded: split the proxies over the DDP processes, each scoring the gathered batch against its own
+            (:mod:`lightning_dml.losses.partial_fc`; exact); on one process the plain loss.
 
     Proxies are initialised as in the ProxyNCA / ProxyNCA++ code: standard normal / 8.
 
@@ -46,12 +48,13 @@ class ProxyNCALoss(ProxyLoss):
         embedding_dim: int | None = None,
         temperature: float = 1.0,
         exclude_positive: bool = True,
+        sharded: bool = False,
     ) -> None:
         if temperature <= 0:
             raise ValueError(f"ProxyNCALoss: temperature must be > 0, got {temperature}")
         self.temperature = float(temperature)
         self.exclude_positive = bool(exclude_positive)
-        super().__init__(num_classes, embedding_dim)
+        super().__init__(num_classes, embedding_dim, sharded=sharded)
 
     def reset_parameters(self) -> None:
         if self.proxies is not None:
@@ -65,4 +68,4 @@ class ProxyNCALoss(ProxyLoss):
 
     def proxy_loss(self, x: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
         # -d(x, p) / T = (2 cos - 2) / T: the constant -2 / T shifts every logit of a row alike and cancels
-        return proxy_softmax_loss(x, proxies, labels, 2.0 / self.temperature, exclude_target=self.exclude_positive)
+        return self.softmax_loss(x, proxies, labels, 2.0 / self.temperature, exclude_target=self.exclude_positive)

@@ -26,6 +26,8 @@ class SubCenterArcFaceLoss(ArcFaceLoss):
         sub_centers: ``K`` (paper: 3).
         scale: ``s`` (paper: 64).
         margin: angular margin ``m`` in **radians** (paper: 0.5).
+        sharded, sample_rate: as :class:`~lightning_dml.losses.ArcFaceLoss` (a class's ``K`` sub-centres stay on
+            one process).
 
     The ``num_classes * K`` sub-centres are the rows of ``proxies``, class ``c``'s in rows ``c K .. c K + K - 1``.
     pytorch-metric-learning's ``SubCenterArcFaceLoss(num_classes, embedding_size, margin=28.6, scale=64,
@@ -40,9 +42,11 @@ class SubCenterArcFaceLoss(ArcFaceLoss):
         sub_centers: int = 3,
         scale: float = 64.0,
         margin: float = 0.5,
+        sharded: bool = False,
+        sample_rate: float = 1.0,
     ) -> None:
         self.sub_centers = sub_centers  # read by ArcFaceLoss.__init__ (validated there as proxies_per_class)
-        super().__init__(num_classes, embedding_dim, scale, margin)
+        super().__init__(num_classes, embedding_dim, scale, margin, sharded, sample_rate)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, sub_centers={self.proxies_per_class}"
