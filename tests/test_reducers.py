@@ -1,0 +1,150 @@
+"""pml's reducers (issue 29 s.2): each equal to pytorch-metric-learning 2.9's on the same per-element losses (values
+and gradients, fp64; elements, positive and negative pairs, triplets; with zeros and ties), the documented
+differences (no terms -> 0, duplicate pairs), and the batch-wide normaliser of the means."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pytorch_metric_learning import reducers as pml_reducers
+
+from lightning_dml.errors import UserInputError
+from lightning_dml.losses.reducers import (
+    REDUCERS,
+    AvgNonZeroReducer,
+    ClassWeightedReducer,
+    MeanReducer,
+    PerAnchorReducer,
+    SumReducer,
+    ThresholdReducer,
+    build_reducer,
+)
+
+B, CLASSES = 10, 4
+CLASS_WEIGHTS = [0.5, 2.0, 1.0, 3.0]
+
+
+def _labels() -> torch.Tensor:
+    return torch.arange(B) % CLASSES
+
+
+def _terms(kind: str, seed: int = 0) -> tuple[torch.Tensor, object]:
+    """Hinge-like terms (a third exactly 0, some tied) with pml-style indices; pairs unique, as miners give."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "element":
+        count, indices = B, torch.arange(B)
+    elif kind in ("pos_pair", "neg_pair"):
+        all_pairs = torch.cartesian_prod(torch.arange(B), torch.arange(B))
+        all_pairs = all_pairs[all_pairs[:, 0] != all_pairs[:, 1]]
+        chosen = all_pairs[torch.randperm(all_pairs.shape[0], generator=g)[:30]]
+        chosen = chosen[chosen[:, 0] != 3]  # anchor 3 has no pair (counts as 0 in the per-anchor mean)
+        count, indices = chosen.shape[0], (chosen[:, 0], chosen[:, 1])
+    else:
+        count = 25
+        indices = tuple(torch.randint(0, B, (count,), generator=g) for _ in range(3))
+    values = torch.rand(count, dtype=torch.float64, generator=g) - 0.35
+    values = torch.clamp(values, min=0)  # hinge: exact zeros
+    values[:3] = 0.25  # ties
+    return values, indices
+
+
+def _pml_dict(losses: torch.Tensor, kind: str, indices: object) -> dict:
+    return {"loss": {"losses": losses, "indices": indices, "reduction_type": kind}}
+
+
+PAIRS = {
+    "mean": (MeanReducer, pml_reducers.MeanReducer),
+    "sum": (SumReducer, pml_reducers.SumReducer),
+    "avg_non_zero": (AvgNonZeroReducer, pml_reducers.AvgNonZeroReducer),
+    "threshold_low_high": (lambda: ThresholdReducer(low=0.1, high=0.5),
+                           lambda: pml_reducers.ThresholdReducer(low=0.1, high=0.5)),
+    "threshold_high": (lambda: ThresholdReducer(high=0.3), lambda: pml_reducers.ThresholdReducer(high=0.3)),
+    "class_weighted": (lambda: ClassWeightedReducer(CLASS_WEIGHTS),
+                       lambda: pml_reducers.ClassWeightedReducer(torch.tensor(CLASS_WEIGHTS))),
+    "per_anchor": (PerAnchorReducer, pml_reducers.PerAnchorReducer),
+    "per_anchor_avg_non_zero": (lambda: PerAnchorReducer(AvgNonZeroReducer()),
+                                lambda: pml_reducers.PerAnchorReducer(pml_reducers.AvgNonZeroReducer())),
+}
+
+
+@pytest.mark.parametrize("kind", ["element", "pos_pair", "neg_pair", "triplet"])
+@pytest.mark.parametrize("name", sorted(PAIRS))
+def test_equal_to_pml_values_and_gradients_fp64(name, kind):
+    if name.startswith("per_anchor") and kind == "triplet":
+        with pytest.raises(ValueError, match="does not reduce triplets"):
+            PAIRS[name][0]()(*_terms(kind)[:1], kind, _terms(kind)[1], _labels(), B)
+        return
+    ours, theirs = (make() for make in PAIRS[name])
+    values, indices = _terms(kind)
+    embeddings = torch.zeros(B, 3, dtype=torch.float64)  # pml reads the batch size from them
+    mine = values.clone().requires_grad_(True)
+    ref = values.clone().requires_grad_(True)
+    value = ours(mine, kind, indices, _labels(), B)
+    ref_value = theirs(_pml_dict(ref, kind, indices), embeddings, _labels())
+    torch.testing.assert_close(value, ref_value, rtol=1e-13, atol=1e-15)
+    (grad,) = torch.autograd.grad(value, mine)
+    (ref_grad,) = torch.autograd.grad(ref_value, ref)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-13, atol=1e-15)
+    assert float(value) != 0  # the comparison is not between two empty reductions
+
+
+def test_already_reduced_is_returned_as_it_is():
+    value = torch.tensor([1.5], dtype=torch.float64)
+    for name in ("mean", "sum", "avg_non_zero"):
+        assert float(build_reducer(name)(value, "already_reduced")) == 1.5
+
+
+def test_no_terms_give_zero_with_a_graph_where_pml_gives_nan():
+    empty = torch.zeros(0, dtype=torch.float64, requires_grad=True)
+    for name, make in sorted(PAIRS.items()):
+        value = make[0]()(empty, "pos_pair", (torch.zeros(0, dtype=torch.long),) * 2, _labels(), B)
+        assert float(value) == 0 and value.requires_grad, name
+    nan = pml_reducers.MeanReducer()(_pml_dict(empty, "element", torch.zeros(0, dtype=torch.long)),
+                                     torch.zeros(B, 3), _labels())
+    assert torch.isnan(nan)  # the documented difference
+
+
+def test_all_terms_filtered_give_zero_as_pml():
+    zeros = torch.zeros(6, dtype=torch.float64)
+    assert float(AvgNonZeroReducer()(zeros)) == 0
+    assert float(pml_reducers.AvgNonZeroReducer()(_pml_dict(zeros, "element", torch.arange(6)),
+                                                  torch.zeros(6, 3), torch.arange(6))) == 0
+
+
+def test_per_anchor_counts_a_repeated_pair_twice():
+    losses = torch.tensor([1.0, 3.0, 5.0], dtype=torch.float64)
+    anchors, others = torch.tensor([0, 0, 1]), torch.tensor([1, 1, 0])
+    # anchor 0: (1 + 3) / 2, anchor 1: 5, anchor 2: none (0); mean over the 3 anchors
+    assert float(PerAnchorReducer()(losses, "pos_pair", (anchors, others), batch_size=3)) == pytest.approx(7 / 3)
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: ThresholdReducer(), "needs low or high"),
+        (lambda: ThresholdReducer(low=1, high=0.5), "needs low < high"),
+        (lambda: ClassWeightedReducer([]), "non-empty 1-D list of finite weights"),
+        (lambda: build_reducer("avg_nonzero"), r"unknown reducer 'avg_nonzero'.*Did you mean 'avg_non_zero'"),
+    ],
+)
+def test_bad_settings_are_named(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_bad_terms_are_named():
+    losses = torch.ones(4)
+    with pytest.raises(ValueError, match="pos_pair losses need a tuple of 2 index tensors"):
+        MeanReducer()(losses, "pos_pair", torch.arange(4))
+    with pytest.raises(ValueError, match="kind must be one of"):
+        MeanReducer()(losses, "pairs")
+    with pytest.raises(ValueError, match="a label outside 0 .. 1 has none"):
+        ClassWeightedReducer([1.0, 2.0])(losses, "element", torch.arange(4), torch.arange(4))
+    with pytest.raises(ValueError, match="needs the batch's labels"):
+        ClassWeightedReducer([1.0, 2.0])(losses)
+    assert issubclass(type(pytest.raises(UserInputError, build_reducer, "nope").value), ValueError)
+
+
+def test_registry_names_pml_reducers():
+    assert sorted(REDUCERS) == ["avg_non_zero", "class_weighted", "mean", "per_anchor", "sum", "threshold"]
+    assert isinstance(PerAnchorReducer("avg_non_zero").reducer, AvgNonZeroReducer)
