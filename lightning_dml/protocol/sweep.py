@@ -62,6 +62,7 @@ import torch
 import yaml
 
 from lightning_dml.cli_parsing import CommandParser
+from lightning_dml.metrics_format import format_metric
 from lightning_dml.protocol.budget import Budget, ProtocolError, load_budget
 from lightning_dml.protocol.launch import class_lists, finish_runs, fit_command, started_externally, wandb_group
 
@@ -536,12 +537,20 @@ def main(argv: Sequence[str]) -> dict[str, Any]:
     tmp = run_dir / f"sweep.json.{os.getpid()}.tmp"
     tmp.write_text(json.dumps(result, indent=2, default=str))
     tmp.replace(run_dir / "sweep.json")
-    best = result["best"]
-    print(f"sweep {study.study_name}: {result['finished_trials']} finished trials (budget {budget.as_dict()}); "
-          + ("no complete trial" if best is None else
-             f"best trial {best['number']}: {OBJECTIVE} {best['value']:.4f} {best['params']} -> "
-             f"{run_dir / 'best.yaml'}"))
+    print(result_line(result, budget, run_dir / "best.yaml"))
     return result
+
+
+def result_line(result: dict[str, Any], budget: Budget, best_path: Path) -> str:
+    """The line ``sweep`` ends with: the finished trials and the best trial, its objective printed as every command
+    prints a metric (:func:`lightning_dml.metrics_format.format_metric`: MAP@R in percent, two decimals;
+    ``sweep.json`` keeps the fraction)."""
+    best = result["best"]
+    name = OBJECTIVE.split("/", 1)[1]
+    return (f"sweep {result['study_name']}: {result['finished_trials']} finished trials (budget {budget.as_dict()}); "
+            + ("no complete trial" if best is None else
+               f"best trial {best['number']}: {name} {format_metric(name, best['value'])} (%, mean over "
+               f"{budget.folds} folds) {best['params']} -> {best_path}"))
 
 
 __all__ = ["DivergedError", "TrialCallback", "fail_stale_trials", "finished_trials", "load_space", "main",
