@@ -29,6 +29,7 @@ from pytorch_lightning.utilities import rank_zero_only
 
 from lightning_dml import __version__
 from lightning_dml.callbacks import PeriodicCheckpoint, PredictionWriter, ValidationSummary
+from lightning_dml.callbacks.predictions import check_output_path
 from lightning_dml.cli_parsing import exit_with_error, option_names
 from lightning_dml.checkpoints import (
     EVALUATION_HPARAMS,
@@ -96,10 +97,12 @@ class DMLArgumentParser(LightningArgumentParser):
     """The parser of ``lightning-dml`` and of each of its LightningCLI commands: no abbreviated options
     (``allow_abbrev=False``), and a command-line or config-file error is one line naming the closest valid options
     or keys, without the usage block (:func:`lightning_dml.cli_parsing.explain`). Errors raised inside a parse
-    (``exit_on_error=False``) stay jsonargparse's."""
+    (``exit_on_error=False``) stay jsonargparse's. ``command``: the LightningCLI subcommand the parser is of
+    (``None``: the main parser), so that a command's own options go to its parser only."""
 
-    def __init__(self, *args: Any, allow_abbrev: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, allow_abbrev: bool = False, command: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, allow_abbrev=allow_abbrev, **kwargs)
+        self.command = command
 
     def error(self, message: str, ex: Exception | None = None) -> Any:
         if not self.exit_on_error:
@@ -208,7 +211,7 @@ class DMLCLI(LightningCLI):
     ``--trainer.enable_checkpointing false`` turns both off.
 
     ``predict`` writes ``predictions.pt`` into the run's folder (:func:`~lightning_dml.runs.run_folder`;
-    embeddings, labels, indices, image paths, the checkpoint)
+    embeddings, labels, indices, image paths, the checkpoint), or the file ``--output`` names,
     with a :class:`~lightning_dml.callbacks.PredictionWriter`, unless ``--trainer.callbacks`` already has a
     prediction writer. Every run has a :class:`~lightning_dml.callbacks.ValidationSummary` (given through
     Lightning's ``trainer_defaults``), which prints the last validation metrics at the end of ``fit``.
@@ -257,7 +260,7 @@ class DMLCLI(LightningCLI):
             **_help_texts(),
             "formatter_class": _HelpFormatter,
             "prog": "lightning-dml",
-            **{command: {"prog": f"lightning-dml {command}"} for command in TRAINER_COMMANDS},
+            **{command: {"prog": f"lightning-dml {command}", "command": command} for command in TRAINER_COMMANDS},
             **(parser_kwargs or {}),
         }
         kwargs.setdefault("parser_class", DMLArgumentParser)
@@ -292,6 +295,15 @@ class DMLCLI(LightningCLI):
             help="fit: replace the checkpoints another run left in the checkpoint folder (without it such a fit "
             "is refused unless it resumes with --ckpt_path last; lightning_dml/runs.py)",
         )
+        if getattr(parser, "command", None) in (None, "predict"):  # predict's (and a saved predict config's)
+            parser.add_argument(
+                "--output",
+                type=str | None,
+                default=None,
+                help="the file predict writes (default: predictions.pt in the run's folder); written atomically, "
+                "its path and contents printed; a folder or a place that cannot be written is refused before the "
+                "model runs",
+            )
 
     # ------------------------------------------------------------------------------------- the checkpoint to load
     def parse_arguments(self, parser: Any, args: Any) -> None:
@@ -395,14 +407,36 @@ class DMLCLI(LightningCLI):
                 "embedding head, no trained model); give --ckpt_path to use a checkpoint"
             )
 
+    def _one_metrics_table(self, command: str) -> None:
+        """``validate`` and ``test`` print one table, in the one printed format (``docs/metrics.md``, "Printed
+        values"): the :class:`~lightning_dml.callbacks.ValidationSummary`'s. Lightning's own table (the logged
+        fractions: 0.7875 beside our 78.75) is turned off through the public ``Trainer.validate``/``test`` argument
+        ``verbose=False``; the user's ``--verbose`` (default ``true``) decides whether ours is printed."""
+        options = self.config_init[command]
+        self.validation_summary.verbose = options.get("verbose") is not False
+        options["verbose"] = False  # what LightningCLI passes to Trainer.validate/test (read after this hook)
+
     def before_validate(self) -> None:
         self._warn_without_checkpoint("validate")
+        self._one_metrics_table("validate")
 
     def before_test(self) -> None:
         self._warn_without_checkpoint("test")
+        self._one_metrics_table("test")
 
     def before_predict(self) -> None:
+        """The warning without ``--ckpt_path``; ``--output`` checked (:func:`~lightning_dml.callbacks.predictions.
+        check_output_path`) before the model runs."""
         self._warn_without_checkpoint("predict")
+        output = self.config_init["predict"].get("output")
+        if output is not None:
+            writer = next(cb for cb in self.trainer.callbacks if isinstance(cb, BasePredictionWriter))
+            if not isinstance(writer, PredictionWriter) or writer.output_path != output:
+                raise UserInputError(
+                    f"--output {output} and the prediction writer of --trainer.callbacks "
+                    f"({type(writer).__name__}): give one of them"
+                )
+            writer.output_path = str(check_output_path(output))
 
     # ------------------------------------------------------------------------------------- the end of fit
     def before_fit(self) -> None:
@@ -458,7 +492,7 @@ class DMLCLI(LightningCLI):
         trainer_config = {**config.get("trainer", {}), **kwargs}
         callbacks = [*_as_list(trainer_config.get("callbacks")), *self.checkpoint_callbacks(trainer_config)]
         if self.subcommand == "predict" and not any(isinstance(cb, BasePredictionWriter) for cb in callbacks):
-            callbacks.append(PredictionWriter())
+            callbacks.append(PredictionWriter(config.get("output")))
         trainer = super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
         if "logger" not in kwargs and any(isinstance(logger, WandbLogger) for logger in trainer.loggers):
             parsed = self.config.get(str(self.subcommand), self.config).get("trainer") or {}

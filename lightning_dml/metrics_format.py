@@ -1,5 +1,6 @@
-"""How every command prints a metric: one rule for ``test``/``validate``/``fit``'s tables, ``report`` (its line and
-its page) and ``index evaluate`` (``docs/metrics.md``, "Printed values").
+"""How every command prints a metric: one rule for ``test``/``validate``/``fit``'s tables (``test`` and ``validate``
+print only the library's table: the CLI turns Lightning's table of the logged fractions off), ``report`` (its line
+and its page), ``index evaluate`` and ``sweep``'s best trial (``docs/metrics.md``, "Printed values").
 
 * A rate (Recall@K, MAP@R, R-Precision, MAP, Precision@K, MRR, NDCG@K, FNMR@FMR, NMI, F1, neighbour recall@k...)
   is printed in **percent with two decimals**: ``0.7875`` -> ``78.75``. Two decimals keep two Recall@K of up to
@@ -9,8 +10,8 @@ its page) and ``index evaluate`` (``docs/metrics.md``, "Printed values").
 * The name is the metric's key without any stage prefix: ``recall@1``, ``map@r``, ``fnmr@fmr=0.01``,
   ``category/<name>/<metric>`` (the same keys as the logged ``test/...`` metrics and ``RetrievalMetrics``).
 
-Files keep the fraction (``index evaluate --format json``, ``results.npz``, the logged metrics): only text meant for
-a person goes through :func:`format_metric`.
+Files keep the fraction (``index evaluate --format json``, ``results.npz``, ``sweep.json``, the logged metrics): only
+text meant for a person goes through :func:`format_metric`.
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def test_an_oml_table_trains_and_tests_through_the_cli(tmp_path):
     assert test.returncode == 0, test.stderr[-3000:]
     printed = test.stdout.split("Per category (test, queries of each category), %:\n")[1].splitlines()
     assert [line.split()[0] for line in printed[1:3]] == ["dresses", "shoes"]
-    assert "test/category/dresses/recall@1" in test.stdout and "test/recall@1" in test.stdout
+    assert "DataLoader 0" not in test.stdout  # one table: Lightning's own, of the logged fractions, is off
     assert "Test metrics, %:" in test.stdout
 
 

@@ -160,3 +160,60 @@ def test_a_requeued_slurm_job_resumes_and_is_not_refused(tmp_path, monkeypatch):
     assert slurm_requeue_resumes(tmp_path)
     assert check_checkpoint_folders([folder], "hpc", overwrite=False) == []
     assert check_checkpoint_folders([folder], None, overwrite=True) == [folder / "last.ckpt"]
+
+
+# ------------------------------------------------------------------ one answer in one format (issue 27 s.3)
+def _printed_values(out: str, title: str) -> dict[str, str]:
+    """``{metric: printed value}`` of the table under ``title`` in ``out`` (rows ``name  value`` to a blank line)."""
+    rows = out.split(title, 1)[1].strip("\n").split("\n\n", 1)[0].splitlines()[1:]
+    return dict(line.split() for line in rows)
+
+
+def test_test_and_validate_print_one_table_in_the_one_format(trained, capsys):
+    """``test`` prints ONE table of its metrics, in percent with two decimals (threshold@fmr a score with four): on
+    main Lightning's own "Test metric / DataLoader 0" table of the logged fractions (0.7875) followed ours (78.75).
+    ``validate --verbose false`` prints neither."""
+    from lightning_dml.metrics_format import format_metric
+
+    args = ["--config", str(GLYPHS), *FAST, *QUIET, "--trainer.limit_test_batches=2", "--trainer.limit_val_batches=2",
+            "--model.recall_at=[1,2]", "--model.metrics=[mrr, fnmr@fmr=0.1]", f"--ckpt_path={trained}"]
+    cli = build_cli(["test", *args])
+    out = capsys.readouterr().out
+    logged = {k.split("/", 1)[1]: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("test/")}
+    assert {"recall@1", "mrr", "fnmr@fmr=0.1", "threshold@fmr=0.1"} <= set(logged)
+    assert out.count("Test metrics, %:") == 1, out
+    printed = _printed_values(out, "Test metrics, %:")
+    assert printed == {name: format_metric(name, value) for name, value in logged.items()}
+    # Lightning's table ("Test metric  DataLoader 0", then "test/recall@1  0.78750...") is off
+    assert "DataLoader 0" not in out and "test/recall@1" not in out, out
+    assert not re.search(r"\b0\.\d{5,}", out), out  # no fraction in Lightning's full precision
+    cli = build_cli(["validate", *args, "--verbose=false"])
+    out = capsys.readouterr().out
+    assert "val/recall@1" in cli.trainer.callback_metrics  # it ran, and printed no table
+    assert "metrics, %:" not in out and "DataLoader 0" not in out and "val/recall@1" not in out, out
+
+
+# ------------------------------------------------------------------ predict --output (issue 27 s.1)
+def test_predict_output_writes_the_named_file(trained, tmp_path, capsys):
+    """``predict --output PATH`` writes the file there (folders created, an old file replaced whole, nothing left
+    beside it), prints its path and what it holds, and nothing goes to the run's folder; a folder as ``--output``
+    is one error line before the model runs, the old file untouched."""
+    args = ["predict", "--config", str(GLYPHS), *FAST, *QUIET, "--model.recall_at=[1,2]",
+            "--trainer.limit_predict_batches=2", f"--ckpt_path={trained}", "--trainer.default_root_dir=runs/p"]
+    target = tmp_path / "out" / "glyphs" / "embeddings.pt"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"an older file")
+    code, out, err = _main(capsys, *args, "--output=out/glyphs/embeddings.pt")
+    assert code == 0, err[-2000:]
+    data = load_predictions(target)
+    rows, width = data["embeddings"].shape
+    (line,) = [line for line in out.splitlines() if line.startswith("lightning-dml predict: wrote ")]
+    assert line.startswith(f"lightning-dml predict: wrote {target}: {rows} rows, embeddings of width {width} ")
+    assert width == 16 and str(trained.resolve()) in line and data["checkpoint"]["path"] == str(trained.resolve())
+    assert sorted(p.name for p in target.parent.iterdir()) == ["embeddings.pt"]  # no temporary or probe file
+    assert not (tmp_path / "runs" / "p" / "predictions.pt").exists()
+    before = target.read_bytes()
+    code, out, err = _main(capsys, *args, "--output=out/glyphs")
+    (message,) = [line for line in err.splitlines() if "error" in line]
+    assert code == 1 and "Traceback" not in err and "--output out/glyphs: is a folder" in message, err[-2000:]
+    assert "lightning-dml predict: wrote" not in out and target.read_bytes() == before

@@ -8,6 +8,7 @@ from typing import Any
 
 import os
 import sys
+import tempfile
 
 import pytorch_lightning as pl
 import torch
@@ -15,10 +16,10 @@ from pytorch_lightning.callbacks import BasePredictionWriter
 
 from lightning_dml.checkpoints import checkpoint_record, read_torch_file
 from lightning_dml.distributed import all_gather_object
-from lightning_dml.errors import CorruptFileError
+from lightning_dml.errors import CorruptFileError, UserInputError
 from lightning_dml.runs import run_folder
 
-__all__ = ["PredictionWriter", "describe_predictions", "load_predictions"]
+__all__ = ["PredictionWriter", "check_output_path", "describe_predictions", "load_predictions"]
 
 
 def _merge_predictions(outputs: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -107,13 +108,19 @@ class PredictionWriter(BasePredictionWriter):
     ``logs/wandb/offline-run-<time>-<id>/``), never into the logger's ``save_dir`` shared by every run. Only one
     predict dataloader is supported.
 
+    ``lightning-dml predict --output PATH`` writes the file to ``PATH`` instead (checked before the model runs:
+    :func:`check_output_path`).
+
     Args:
         output_path: the file; ``<run folder>/predictions.pt`` (:func:`~lightning_dml.runs.run_folder`) when ``None``.
+        announce: print the line saying what was written (``False`` for a caller's temporary file, such as the
+            gallery embeddings of ``lightning-dml index build``).
     """
 
-    def __init__(self, output_path: str | None = None) -> None:
+    def __init__(self, output_path: str | None = None, announce: bool = True) -> None:
         super().__init__(write_interval="epoch")
         self.output_path = output_path
+        self.announce = announce
         self.written_path: Path | None = None
 
     def resolve_path(self, trainer: pl.Trainer) -> Path:
@@ -161,7 +168,31 @@ class PredictionWriter(BasePredictionWriter):
         finally:
             temporary.unlink(missing_ok=True)
         self.written_path = path
-        print(f"lightning-dml predict: wrote {path}: {describe_predictions(result)}", file=sys.stdout, flush=True)
+        if self.announce:
+            print(f"lightning-dml predict: wrote {path}: {describe_predictions(result)}", file=sys.stdout, flush=True)
+
+
+def check_output_path(path: str | os.PathLike, option: str = "--output") -> Path:
+    """``path`` as an absolute file path that a :class:`PredictionWriter` can write, checked before any work:
+    one :class:`~lightning_dml.errors.UserInputError` naming ``option`` when it is a folder (or ends with a path
+    separator), when a part of its folder is a file, or when its nearest existing folder cannot be written
+    (probed by creating and removing a temporary file there, which also holds for root and read-only file
+    systems). Missing folders are created when the file is written."""
+    text = os.fspath(path)
+    target = Path(os.path.abspath(os.path.expanduser(text)))
+    if not text or text.endswith((os.sep, "/")) or target.is_dir():
+        raise UserInputError(f"{option} {text}: is a folder, give the file to write (e.g. {target / 'predictions.pt'})")
+    folder = target.parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserInputError(f"{option} {text}: {folder} is a file, not a folder")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".lightning-dml-probe-"):
+            pass
+    except OSError as error:
+        raise UserInputError(f"{option} {text}: cannot write into {folder} ({error.strerror or error})") from None
+    return target
 
 
 def describe_predictions(data: dict[str, Any]) -> str:

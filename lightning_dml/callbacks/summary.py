@@ -63,7 +63,9 @@ class ValidationSummary(pl.Callback):
     shows one table). The ``lightning-dml`` CLI adds one to every run.
 
     After ``validate`` and ``test`` the metrics are printed too, in the format every command prints them (percent,
-    two decimals), before Lightning's own table of the logged fractions. Per-category metrics
+    two decimals; :attr:`verbose` ``False``: not printed). The ``lightning-dml`` CLI turns Lightning's own table of
+    the logged fractions off (``Trainer.test(verbose=False)``), so this is the one table (``--verbose false``: none).
+    Per-category metrics
     (``category/<name>/<metric>``, evaluation data with categories) are shown apart, as one more table with one row
     per category and one column per metric (:attr:`category_table`), after ``fit``, ``validate`` and ``test``.
 
@@ -86,6 +88,8 @@ class ValidationSummary(pl.Callback):
         self.validated_step: int | None = None
         #: set by a caller that validates once more after a stale fit (the CLI): the table waits for it
         self.final_validation = False
+        #: whether ``validate`` and ``test`` print their tables (the CLI sets it from ``--verbose``)
+        self.verbose = True
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.validated_step = None
@@ -106,14 +110,13 @@ class ValidationSummary(pl.Callback):
     def print_category_table(self, trainer: pl.Trainer, prefix: str, stage: str) -> str | None:
         """After ``validate`` and ``test``: print (rank 0) the table of the ``prefix`` metrics in the one printed
         format (:mod:`lightning_dml.metrics_format`), and with per-category metrics the per-category table too;
-        return the latter (``None`` without categories). Lightning prints its own table (every logged key, as the
-        logged fraction) after this one; ``--verbose false`` leaves that one out."""
+        return the latter (``None`` without categories). Nothing is printed when :attr:`verbose` is ``False``."""
         values = self._values(trainer, prefix)
         self.category_table = None
         if not values:
             return None
         overall, self.category_table = format_metrics(values)
-        if trainer.is_global_zero:
+        if trainer.is_global_zero and self.verbose:
             categories = "" if self.category_table is None else (
                 f"\nPer category ({stage}, queries of each category), %:\n{self.category_table}\n"
             )

@@ -92,7 +92,7 @@ def predict_embeddings(
         persistent_workers=False,
     )
     with tempfile.TemporaryDirectory(prefix="lightning-dml-index-") as tmp:
-        writer = PredictionWriter(str(Path(tmp) / "gallery.pt"))
+        writer = PredictionWriter(str(Path(tmp) / "gallery.pt"), announce=False)  # a temporary file: no "wrote" line
         trainer = pl.Trainer(
             accelerator=accelerator, devices=devices, strategy=strategy, logger=False, enable_checkpointing=False,
             enable_model_summary=False, enable_progress_bar=progress, callbacks=[writer, *callbacks],
