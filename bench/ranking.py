@@ -62,6 +62,8 @@ def run_args(loss: str, seed: int, steps: int, root: str) -> list[str]:
                  "--data.init_args.classes_per_batch", str(classes * per_class // 2)]
     elif sampler is not None:
         raise ValueError(f"loss {loss!r} requires sampler {sampler!r}, which bench/ranking.py does not set up")
+    if loss == "self_supervised":  # two views of every item, labelled by item (the data modules' views option)
+        args += ["--data.init_args.views", "2"]
     return args
 
 

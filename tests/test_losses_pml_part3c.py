@@ -221,24 +221,37 @@ def test_dynamic_arcface_class_counts_are_checked_and_saved():
     assert fresh.class_counts.tolist() == COUNTS.tolist() and fresh.num_classes == 5
 
 
+class TinyData:
+    """A data module of 15 blank 8 x 8 images: classes 3, 5, 9 with 2, 4 and 9 items (unequal counts)."""
+
+    @staticmethod
+    def make(**kwargs):
+        from lightning_dml.data.base import DMLDataModule, TensorImageDataset
+
+        class Tiny(DMLDataModule):
+            def build_datasets(self):
+                labels = torch.tensor([9, 3, 5, 9, 9, 5, 3, 9, 5, 9, 9, 5, 9, 9, 9])
+                data = TensorImageDataset(torch.randint(0, 255, (15, 1, 8, 8), dtype=torch.uint8), labels)
+                return data, data
+
+        return Tiny(**kwargs)
+
+
 def test_dynamic_arcface_counts_come_from_the_data_module():
     """DMLModule fills in num_classes and the class counts from the training split (train_class_counts, in the
     order of train_class_ids)."""
-    from lightning_dml.data import GlyphsDataModule
     from lightning_dml.models import SmallConvNet
     from lightning_dml.module import DMLModule
 
-    dm = GlyphsDataModule(classes_per_batch=2, samples_per_class=2)
-    dm.setup("fit")
-    keep = torch.arange(len(dm.train_dataset))
-    dm.train_dataset = dm.train_dataset.subset(keep[keep % 7 != 3])  # unequal counts per class
-    labels = torch.as_tensor(dm.train_dataset.labels)
+    dm = TinyData.make(classes_per_batch=2, samples_per_class=2)
+    assert dm.train_class_ids.tolist() == [3, 5, 9] and dm.train_class_counts.tolist() == [2, 4, 9]
     model = DMLModule(backbone=SmallConvNet(width=4), embedding_dim=8, loss=build_loss("dynamic_arcface"))
     model._complete_losses(dm)
-    ids = dm.train_class_ids
-    want = torch.tensor([int((labels == c).sum()) for c in ids])
-    assert model.loss.class_counts.tolist() == want.tolist() and model.loss.num_classes == ids.numel()
-    assert len(set(want.tolist())) > 1
+    assert model.loss.class_counts.tolist() == [2, 4, 9] and model.loss.num_classes == 3
+    given = DMLModule(backbone=SmallConvNet(width=4), embedding_dim=8,
+                      loss=build_loss("dynamic_arcface", class_counts=[1, 1, 1]))
+    given._complete_losses(dm)  # counts set in the config are kept
+    assert given.loss.class_counts.tolist() == [1, 1, 1]
 
 
 # ------------------------------------------------------------------------------------------ self-supervised
@@ -332,15 +345,23 @@ def test_views_batches_are_labelled_by_item():
         ViewsDataset(Noisy(), 0)
 
 
-def test_glyphs_views_option_trains_self_supervised():
-    from lightning_dml.data import GlyphsDataModule
-
-    dm = GlyphsDataModule(classes_per_batch=3, samples_per_class=2, views=2)
+def test_views_option_of_the_data_modules():
+    dm = TinyData.make(classes_per_batch=2, samples_per_class=2, views=3)
     images, labels, index = next(iter(dm.train_dataloader()))
-    assert images.shape[0] == 12 and labels.tolist() == index.tolist() == index[:6].tolist() * 2
-    assert torch.equal(images[:6], images[6:])  # the glyphs have no random augmentation: identical views
+    assert images.shape == (12, 1, 8, 8) and labels.tolist() == index.tolist() == index[:4].tolist() * 3
+    assert len(set(index[:4].tolist())) == 4
+    # the blank images have no random augmentation: identical views, each the item's own image
+    assert torch.equal(images[:4], images[4:8]) and torch.equal(images[:4], torch.stack([dm.train_dataset[int(i)][0]
+                                                                                           for i in index[:4]]))
     value = build_loss("self_supervised")(torch.randn(12, 8, requires_grad=True), labels)
     assert torch.isfinite(value)
+    plain = next(iter(TinyData.make(classes_per_batch=2, samples_per_class=2).train_dataloader()))
+    assert plain[0].shape[0] == 4 and set(plain[1].tolist()) <= {3, 5, 9}  # views: 1 is the plain batch
+    from lightning_dml.data import GlyphsDataModule
+    from lightning_dml.data.files import ImageFilesDataModule
+
+    for cls in (GlyphsDataModule, ImageFilesDataModule):  # the concrete modules forward the option
+        assert "views" in __import__("inspect").signature(cls.__init__).parameters
     with pytest.raises(ValueError, match="views must be an integer >= 1"):
         GlyphsDataModule(views=0)
 

@@ -81,6 +81,8 @@ def _build(name: str, kwargs: dict):
     if getattr(cls, "needs_num_classes", False):
         kwargs.setdefault("num_classes", P)
         kwargs.setdefault("embedding_dim", DIM)
+    if getattr(cls, "needs_class_counts", False):  # DynamicArcFace's per-class margins
+        kwargs.setdefault("class_counts", list(range(1, P + 1)))
     if name == "cross_batch_memory" and isinstance(kwargs.get("loss"), str):
         kwargs["loss"] = build_loss(kwargs["loss"], reduction="sum")
     torch.manual_seed(0)  # the same parameters on every process and in the reference
