@@ -10,8 +10,11 @@ for the ``lightning-dml`` default logger, shared (and overwritten) by every run 
   (``<save_dir>/<name>/version_<n>``), the W&B run's folder (``<save_dir>/wandb/<run>``, beside W&B's ``files/``);
 * ``<trainer.default_root_dir>/config.yaml``, the run folder that also holds its ``checkpoints/``, when
   ``--trainer.default_root_dir`` names another folder than the working directory, or when the logger has no folder
-  of the run (no logger: Lightning's own choice). Another subcommand than ``fit`` writes
-  ``config_<subcommand>.yaml`` there, so that ``test`` or ``predict`` in a fit's folder keeps the fit's config.
+  of the run (no logger: Lightning's own choice).
+
+Another subcommand than ``fit`` writes ``config_<subcommand>.yaml`` (in both places), so that ``test`` or
+``predict`` in a fit's folder keeps the fit's config: in its ``default_root_dir``, and in a logger folder it
+shares with the fit (a CSV or TensorBoard logger given a fixed ``version``, a W&B run resumed by its ``id``).
 
 So ``lightning-dml fit --config C`` in a working directory writes the config into its W&B run's folder only (not
 into the working directory, shared by every run started there), and ``--trainer.default_root_dir runs/a`` puts it
@@ -31,18 +34,19 @@ from pytorch_lightning.loggers import CSVLogger, TensorBoardLogger, WandbLogger
 def config_paths(trainer: pl.Trainer, stage: str, filename: str = "config.yaml") -> list[str]:
     """The files a run's config is written to (see the module docstring); call it on global rank 0 only (it may
     start the W&B run there, as Lightning does before ``setup``)."""
+    stage = str(getattr(stage, "value", stage))  # Lightning passes its TrainerFn enum ("fit", "validate", ...)
+    stem, suffix = os.path.splitext(filename)
+    name = filename if stage == "fit" else f"{stem}_{stage}{suffix}"
     files = []
     for logger in trainer.loggers:
         if isinstance(logger, (CSVLogger, TensorBoardLogger)):
-            files.append(os.path.join(logger.log_dir, filename))
+            files.append(os.path.join(logger.log_dir, name))
         elif isinstance(logger, WandbLogger):
             # the run's folder (W&B keeps its own config.yaml, the run's config, in the run's files/ folder)
-            files.append(os.path.join(os.path.dirname(os.path.normpath(logger.experiment.dir)), filename))
+            files.append(os.path.join(os.path.dirname(os.path.normpath(logger.experiment.dir)), name))
     root = os.path.abspath(os.path.expanduser(str(trainer.default_root_dir)))
     if not files or root != os.getcwd():
-        stage = str(getattr(stage, "value", stage))  # Lightning passes its TrainerFn enum ("fit", "validate", ...)
-        stem, suffix = os.path.splitext(filename)
-        files.insert(0, os.path.join(root, filename if stage == "fit" else f"{stem}_{stage}{suffix}"))
+        files.insert(0, os.path.join(root, name))
     return list(dict.fromkeys(os.path.normpath(f) for f in files))
 
 

@@ -43,3 +43,26 @@ def test_each_run_saves_its_config_in_its_own_folders(glyph_subset, tmp_path, mo
         finish_runs(cli.trainer)
     assert _dim(run_folder / "config.yaml") == 24
     assert not (tmp_path / "logs" / "config.yaml").exists() and not (tmp_path / "config.yaml").exists()
+
+
+def test_another_command_in_the_fits_logger_folder_keeps_the_fits_config(tmp_path, monkeypatch):
+    """Regression: with a logger folder shared with the fit (a CSV logger given ``version: 0``, as a fit's saved
+    config repeats it), ``test``/``predict`` wrote ``config.yaml`` over the fit's there; now ``config_<command>.yaml``
+    (Lightning passes the stage as its ``TrainerFn``)."""
+    from types import SimpleNamespace
+
+    from pytorch_lightning.loggers import CSVLogger
+    from pytorch_lightning.trainer.states import TrainerFn
+
+    from lightning_dml.run_config import config_paths
+
+    monkeypatch.chdir(tmp_path)
+    trainer = SimpleNamespace(loggers=[CSVLogger(tmp_path / "logs", name="glyphs", version=0)],
+                              default_root_dir=str(tmp_path))
+    folder = tmp_path / "logs" / "glyphs" / "version_0"
+    assert config_paths(trainer, TrainerFn.FITTING) == [str(folder / "config.yaml")]
+    assert config_paths(trainer, TrainerFn.TESTING) == [str(folder / "config_test.yaml")]
+    assert config_paths(trainer, "predict") == [str(folder / "config_predict.yaml")]
+    trainer.default_root_dir = str(tmp_path / "run")  # and in a run folder of its own
+    assert config_paths(trainer, "validate") == [str(tmp_path / "run" / "config_validate.yaml"),
+                                                 str(folder / "config_validate.yaml")]
