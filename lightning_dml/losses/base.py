@@ -7,7 +7,8 @@ gallery items (the batch itself plus optional reference items), boolean masks fr
 * :func:`check_inputs` - shape / dtype / device / NaN-Inf validation with ``ValueError`` naming the problem,
 * :func:`similarity_matrix`, :func:`distance_from_similarity` - SPEC 0.3 numerics (fp32, clamp, sqrt floor 1e-12),
 * :func:`lse0`, :func:`masked_softmax` - masked log-sum-exp ``log(1 + sum exp)`` and masked softmax (SPEC 0.2),
-* :class:`PairLoss` - the ``loss(embeddings, labels, ref_embeddings=None, ref_labels=None)`` interface and the
+* :class:`PairLoss` - the ``loss(embeddings, labels, ref_embeddings=None, ref_labels=None, indices_tuple=None)``
+  interface (``indices_tuple``: a miner's pairs or triplets, :mod:`lightning_dml.miners.indices`) and the
   class attributes every loss declares (its "anatomy", read by :mod:`lightning_dml.checks` and the module),
 * :func:`global_reduction` / :func:`batch_normaliser` - batch-wide reductions under DDP (see below), and
 * :class:`ClosedFormPairFunction` - one autograd function whose backward is ``(W + W^T) F``, used by losses that
@@ -54,6 +55,7 @@ from lightning_dml.losses.chunking import anchor_chunked_loss, check_anchor_chun
 from lightning_dml.input_checks import check_embeddings, check_finite, check_integer_labels, check_labels
 from lightning_dml.input_checks import check_same_device
 from lightning_dml.miners import cat_labels, label_masks
+from lightning_dml.miners.indices import check_indices_tuple, restrict_masks
 from lightning_dml.scaling import l2_normalize
 
 __all__ = [
@@ -370,6 +372,12 @@ class PairLoss(nn.Module):
     #: whether the loss takes ``anchor_chunk_size`` (:mod:`lightning_dml.losses.chunking`): true for the losses
     #: whose value is a sum of per-anchor terms over batch-wide :func:`batch_normaliser` counts
     supports_anchor_chunks: bool = False
+    #: whether the loss takes ``indices_tuple`` (a miner's pairs or triplets, :mod:`lightning_dml.miners.indices`):
+    #: true for the losses whose definition is over a set of pairs (their ``pair_loss`` restricted to the tuple's
+    #: masks) or of triplets (``triplet_tuple_loss``); the others refuse it with ``indices_tuple_reason``
+    supports_indices_tuple: bool = False
+    #: why it does not (named in the refusal)
+    indices_tuple_reason: str | None = None
 
     def __init__(self) -> None:
         super().__init__()
@@ -396,7 +404,14 @@ class PairLoss(nn.Module):
         labels: Tensor,
         ref_embeddings: Tensor | None = None,
         ref_labels: Tensor | None = None,
+        indices_tuple: tuple[Tensor, ...] | None = None,
     ) -> Tensor:
+        """Loss of the batch (module docstring); ``indices_tuple``: a miner's pairs ``(a1, p, a2, n)`` or triplets
+        ``(a, p, n)`` that restrict the loss's pairs or triplets (:mod:`lightning_dml.miners.indices`). pml's
+        positional order ``loss(embeddings, labels, indices_tuple, ref_emb, ref_labels)`` is accepted too: a tuple
+        in the third place is the indices tuple."""
+        if isinstance(ref_embeddings, (tuple, list)):  # pml's order: (embeddings, labels, indices_tuple, ref_emb, ...)
+            indices_tuple, ref_embeddings, ref_labels = ref_embeddings, ref_labels, indices_tuple  # type: ignore
         if not self.supports_label_sets and any(isinstance(t, Tensor) and t.ndim == 2 for t in (labels, ref_labels)):
             raise label_sets_error(self, tuple(labels.shape))
         check_inputs(
@@ -417,7 +432,10 @@ class PairLoss(nn.Module):
                 ref = normalize_embeddings(ref_embeddings) if self.normalize else upcast(ref_embeddings)
                 gallery, gallery_labels = torch.cat([anchors, ref]), cat_labels(labels, ref_labels)
             chunk = self.anchor_chunk_size
-            if chunk is not None and anchors.shape[0] > chunk:
+            if indices_tuple is not None:
+                n_gallery = anchors.shape[0] if gallery is None else gallery.shape[0]
+                loss = self.compute_mined(anchors, labels, gallery, gallery_labels, indices_tuple, n_gallery)
+            elif chunk is not None and anchors.shape[0] > chunk:
                 params = [p for p in self.parameters() if p.requires_grad]
                 loss = anchor_chunked_loss(
                     self.compute, anchors, labels, gallery, gallery_labels, chunk, params, batch_normaliser
@@ -437,6 +455,43 @@ class PairLoss(nn.Module):
                 anchors, gallery, lambda raw: self.pair_loss_and_grad(raw.clamp(-1.0, 1.0), pos, neg)
             )
         g = anchors if gallery is None else gallery
+        return self.pair_loss(similarity_matrix(anchors, g), pos, neg)
+
+    def compute_mined(
+        self,
+        anchors: Tensor,
+        labels: Tensor,
+        gallery: Tensor | None,
+        gallery_labels: Tensor,
+        indices_tuple: tuple[Tensor, ...],
+        num_gallery: int,
+    ) -> Tensor:
+        """Loss restricted to ``indices_tuple`` (:mod:`lightning_dml.miners.indices`): a triplet tuple to a loss
+        with ``triplet_tuple_loss`` scores exactly those triplets; otherwise :meth:`pair_loss` (or its closed form)
+        runs on the label masks restricted to the tuple's pairs. Refused (``ValueError``, one line) by a loss
+        without ``supports_indices_tuple`` and with ``anchor_chunk_size``."""
+        name = type(self).__name__
+        if not self.supports_indices_tuple:
+            reason = self.indices_tuple_reason or "its definition does not score a chosen set of pairs or triplets"
+            raise ValueError(f"{name} does not take indices_tuple (a miner's output): {reason}")
+        if self.anchor_chunk_size is not None:
+            raise ValueError(f"{name}: indices_tuple does not combine with anchor_chunk_size; set one of them")
+        tuples = check_indices_tuple(indices_tuple, anchors.shape[0], num_gallery, anchors.device, where=name)
+        pos, neg = label_masks(labels, gallery_labels)
+        if getattr(self, "detach_gallery", False):
+            gallery = (anchors if gallery is None else gallery).detach()
+        g = anchors if gallery is None else gallery
+        if len(tuples) == 3 and hasattr(self, "triplet_tuple_loss"):
+            a, p, n = tuples
+            restrict_masks((a, p, a, n), pos, neg, where=name)  # the triplets agree with the labels
+            sim_ap = (anchors[a] * g[p]).sum(dim=1).clamp(-1.0, 1.0)
+            sim_an = (anchors[a] * g[n]).sum(dim=1).clamp(-1.0, 1.0)
+            return self.triplet_tuple_loss(sim_ap, sim_an)
+        pos, neg = restrict_masks(tuples, pos, neg, where=name)
+        if self.closed_form and self._has_closed_form():
+            return ClosedFormPairFunction.apply(
+                anchors, gallery, lambda raw: self.pair_loss_and_grad(raw.clamp(-1.0, 1.0), pos, neg)
+            )
         return self.pair_loss(similarity_matrix(anchors, g), pos, neg)
 
     def _has_closed_form(self) -> bool:

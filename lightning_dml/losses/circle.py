@@ -46,6 +46,8 @@ class CircleLoss(PairLoss):
     supports_anchor_chunks = True
     #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
     supports_label_sets = True
+    #: indices_tuple (a miner's output, lightning_dml.miners.indices): the tuple's pairs as masks, as pml's CircleLoss
+    supports_indices_tuple = True
 
     def __init__(self, m: float = 0.25, gamma: float = 256.0, anchor_chunk_size: int | None = None) -> None:
         super().__init__()

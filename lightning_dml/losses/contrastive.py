@@ -65,6 +65,8 @@ class ContrastiveLoss(PairLoss):
     supports_anchor_chunks = True
     #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
     supports_label_sets = True
+    #: indices_tuple (a miner's output, lightning_dml.miners.indices): the pairs listed (a triplet tuple: its (a, p) and (a, n) pairs), as pml's ContrastiveLoss
+    supports_indices_tuple = True
 
     def __init__(
         self,

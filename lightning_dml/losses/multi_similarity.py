@@ -55,6 +55,8 @@ class MultiSimilarityLoss(PairLoss):
     supports_anchor_chunks = True
     #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
     supports_label_sets = True
+    #: indices_tuple (a miner's output, lightning_dml.miners.indices): the tuple's pairs as masks (pml's MultiSimilarityLoss); mining=True mines within them
+    supports_indices_tuple = True
 
     def __init__(
         self,

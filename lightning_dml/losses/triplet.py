@@ -49,6 +49,8 @@ class TripletLoss(PairLoss):
     supports_anchor_chunks = True
     #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
     supports_label_sets = True
+    #: indices_tuple (a miner's output, lightning_dml.miners.indices): a triplet tuple: exactly its triplets; a pair tuple: every mined positive with every mined negative of the anchor (pml's TripletMarginLoss)
+    supports_indices_tuple = True
 
     def __init__(
         self,
@@ -87,6 +89,20 @@ class TripletLoss(PairLoss):
         considered = valid[:, :, None] & neg[:, None, :]
         hinge = torch.relu(d_pos[:, :, None] - dist[:, None, :] + self.margin)
         return self._reduce(hinge, considered)
+
+    def triplet_tuple_loss(self, sim_ap: Tensor, sim_an: Tensor) -> Tensor:
+        """Eq. 12 over given triplets (a miner's ``(a, p, n)`` as ``indices_tuple``; ``[T]`` similarities of their
+        anchor-positive and anchor-negative pairs), reduced by ``reduction`` over the ``T`` triplets."""
+        if self.mining != "all":
+            raise ValueError(
+                f"TripletLoss(mining={self.mining!r}) mines its own triplets; a triplet indices_tuple needs mining='all'"
+            )
+        if self.squared:
+            d_ap, d_an = squared_distance_from_similarity(sim_ap), squared_distance_from_similarity(sim_an)
+        else:
+            d_ap, d_an = distance_from_similarity(sim_ap), distance_from_similarity(sim_an)
+        hinge = torch.relu(d_ap - d_an + self.margin)
+        return self._reduce(hinge, torch.ones_like(hinge, dtype=torch.bool))
 
     def _count(self, active: Tensor, considered_count: Tensor, like: Tensor) -> Tensor:
         """The reduction's divisor (batch-wide under DDP: :func:`~lightning_dml.losses.base.batch_normaliser`)."""

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from lightning_dml.miners.pairs import negative_mask, positive_table
 
-__all__ = ["distance_weighted_log_weights", "distance_weighted_sampling"]
+__all__ = ["distance_weighted_log_weights", "distance_weighted_probabilities", "distance_weighted_sampling"]
 
 
 def distance_weighted_log_weights(dist: Tensor, dim: int, cutoff: float = 0.5) -> Tensor:
@@ -53,17 +53,7 @@ def distance_weighted_sampling(
         raise ValueError(f"distance_weighted_sampling needs the embedding dimension dim >= 1, got {dim}")
     if gallery_labels is None:
         gallery_labels = labels
-    dist = dist.detach()
-    neg = negative_mask(labels, gallery_labels)
-    log_w = distance_weighted_log_weights(dist, dim, cutoff)
-    near = neg & (dist < nonzero_loss_cutoff)
-    has_near = near.any(dim=1, keepdim=True)
-    allowed = torch.where(has_near, near, neg)
-    has_neg = neg.any(dim=1)
-    log_w = log_w.masked_fill(~allowed, -torch.inf)
-    shift = log_w.amax(dim=1, keepdim=True)
-    shift = torch.where(torch.isfinite(shift), shift, 0.0)
-    weights = torch.exp(log_w - shift)
+    weights, has_neg = _negative_weights(dist.detach(), labels, gallery_labels, dim, cutoff, nonzero_loss_cutoff)
     weights = torch.where(has_neg[:, None], weights, 1.0)  # rows without negatives: any valid draw, dropped below
     rows, cols, valid = positive_table(labels, gallery_labels)
     k = cols.shape[1]
@@ -73,3 +63,38 @@ def distance_weighted_sampling(
     negatives = torch.multinomial(weights, k, replacement=True, generator=generator)
     keep = valid & has_neg[:, None]
     return rows[keep], cols[keep], negatives[keep]
+
+
+def _negative_weights(
+    dist: Tensor, labels: Tensor, gallery_labels: Tensor, dim: int, cutoff: float, nonzero_loss_cutoff: float
+) -> tuple[Tensor, Tensor]:
+    """Unnormalised ``B x N`` draw weights of each anchor's negatives (:func:`distance_weighted_sampling`) and
+    which anchors have a negative."""
+    neg = negative_mask(labels, gallery_labels)
+    log_w = distance_weighted_log_weights(dist, dim, cutoff)
+    near = neg & (dist < nonzero_loss_cutoff)
+    has_near = near.any(dim=1, keepdim=True)
+    allowed = torch.where(has_near, near, neg)
+    log_w = log_w.masked_fill(~allowed, -torch.inf)
+    shift = log_w.amax(dim=1, keepdim=True)
+    shift = torch.where(torch.isfinite(shift), shift, 0.0)
+    return torch.exp(log_w - shift), neg.any(dim=1)
+
+
+def distance_weighted_probabilities(
+    dist: Tensor,
+    labels: Tensor,
+    gallery_labels: Tensor | None = None,
+    dim: int | None = None,
+    cutoff: float = 0.5,
+    nonzero_loss_cutoff: float = 1.4,
+) -> Tensor:
+    """``B x N``: the probability with which :func:`distance_weighted_sampling` draws gallery item ``n`` as the
+    negative of anchor ``a`` (rows sum to 1; an anchor without negatives gets a row of zeros)."""
+    if dim is None or dim < 1:
+        raise ValueError(f"distance_weighted_probabilities needs the embedding dimension dim >= 1, got {dim}")
+    if gallery_labels is None:
+        gallery_labels = labels
+    weights, has_neg = _negative_weights(dist.detach(), labels, gallery_labels, dim, cutoff, nonzero_loss_cutoff)
+    weights = weights * has_neg[:, None]
+    return weights / weights.sum(dim=1, keepdim=True).clamp(min=torch.finfo(weights.dtype).tiny)
