@@ -19,6 +19,7 @@ from lightning_dml.checks import check_fit_combination, check_gather_combination
 from lightning_dml.gradient_cache import batch_statistics_layers, check_chunk_size, chunked_embeddings
 from lightning_dml.losses import build_loss
 from lightning_dml.losses.distributed import gathered_loss
+from lightning_dml.miners import Miner, MinedLoss, build_miner
 from lightning_dml.metrics import RetrievalMetrics, progress_bars
 from lightning_dml.models.backbones import check_levels
 from lightning_dml.models.heads import LinearEmbedding, MultiLevelEmbedding
@@ -37,6 +38,21 @@ def _has_parameters(loss: nn.Module) -> bool:
 
 def _default_optimizer(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-4)
+
+
+def _build_miner(miner: nn.Module | str | None, loss: nn.Module) -> nn.Module | None:
+    """The ``miner`` argument as a miner (a registry name is built); ``ValueError`` naming the loss when it does not
+    accept ``indices_tuple``."""
+    if miner is None:
+        return None
+    miner = build_miner(miner) if isinstance(miner, str) else miner
+    if not isinstance(miner, Miner):
+        raise ValueError(f"miner must be a lightning_dml.miners.Miner or a registry name, got {type(miner).__name__}")
+    if not getattr(loss, "supports_indices_tuple", False):
+        reason = getattr(loss, "indices_tuple_reason", None) or "its definition does not score a chosen set of pairs"
+        raise ValueError(f"miner {type(miner).__name__} needs a loss that takes indices_tuple; {type(loss).__name__} "
+                         f"does not: {reason}")
+    return miner
 
 
 def _needs_sizes(loss: nn.Module) -> bool:
@@ -91,6 +107,11 @@ class DMLModule(pl.LightningModule):
             :class:`~lightning_dml.models.BNInception`, by ``class_path`` in configs, or
             ``build_backbone("bninception", pretrained=False)`` in Python).
         loss: a pair loss (``class_path``/``init_args`` in configs) or its registry name (``"multi_similarity"``).
+        miner: a miner (:mod:`lightning_dml.miners`, pml's contract; ``class_path``/``init_args`` in configs) or its
+            registry name (``"batch_hard"``): the loss is then called on the miner's pairs or triplets,
+            ``loss(embeddings, labels, indices_tuple=miner(embeddings, labels))`` (docs/miners.md); the loss must
+            accept ``indices_tuple``. Under ``gather_distributed`` the miner sees the global batch
+            (:class:`~lightning_dml.miners.MinedLoss`). ``None``: no miner.
         embedding_dim: width of the embedding.
         head_norm: normalisation after the embedding layer: ``"none"``, ``"batch"`` or ``"layer"``.
         head_lr_multiplier: the head's learning rate is the optimizer's learning rate times this (10 in the MS,
@@ -196,9 +217,10 @@ class DMLModule(pl.LightningModule):
         metrics: Sequence[str] = (),
         embedding_chunk_size: int | None = None,
         regularizers: Sequence[dict[str, Any]] = (),
+        miner: nn.Module | str | None = None,
     ) -> None:
         super().__init__()
-        self.save_hyperparameters(ignore=["backbone", "loss", "optimizer", "lr_scheduler"])
+        self.save_hyperparameters(ignore=["backbone", "loss", "optimizer", "lr_scheduler", "miner"])
         if not hasattr(backbone, "out_features"):
             raise ValueError(f"backbone {type(backbone).__name__} must expose `out_features` (its feature width)")
         if head_lr_multiplier <= 0:
@@ -241,6 +263,7 @@ class DMLModule(pl.LightningModule):
         self.loss = build_loss(loss) if isinstance(loss, str) else loss
         #: with ``fusion="per_level"`` and a loss with parameters: one loss per level (the first is ``self.loss``)
         self.level_losses = self._make_level_losses()
+        self.miner = _build_miner(miner, self.loss)
         self.regularization = RegularizationTerms(regularizers, self.loss, per_level=fusion == "per_level")
         self.loss_lr_multiplier = float(loss_lr_multiplier)
         self.loss_weight_decay = float(loss_weight_decay)
@@ -513,6 +536,8 @@ class DMLModule(pl.LightningModule):
     # ------------------------------------------------------------------ training
     def _pair_loss(self, embeddings: torch.Tensor, labels: torch.Tensor, loss: nn.Module | None = None) -> torch.Tensor:
         loss = self.loss if loss is None else loss
+        if self.miner is not None:  # the loss on the miner's tuples; under DDP the miner sees the global batch
+            loss = MinedLoss(loss, self.miner)
         if self.gather_distributed and self.trainer.world_size > 1:
             # each loss's declared gather_mode: equal to one process holding the global batch (losses.distributed)
             return gathered_loss(loss, embeddings, labels)

@@ -125,3 +125,35 @@ def test_batch_wide_miner_mines_the_global_batch_under_gather():
     loss = ContrastiveLoss()
     assert MinedLoss(loss, PairMarginMiner()).gather_mode == "references"
     assert MinedLoss(loss, HDCMiner()).gather_mode == "global_batch"
+
+
+def test_module_trains_the_loss_on_the_miners_tuples():
+    from lightning_dml.models import SmallConvNet
+    from lightning_dml.module import DMLModule
+
+    module = DMLModule(SmallConvNet(width=4), loss="triplet", miner="batch_hard", embedding_dim=8, clustering=False)
+    assert isinstance(module.miner, BatchHardMiner)
+    z, y = miner_batch("clustered", 8)
+    expected = TripletLoss()(z, y, indices_tuple=BatchHardMiner()(z, y))
+    assert torch.equal(module._pair_loss(z, y), expected)
+    assert not torch.equal(expected, TripletLoss()(z, y))
+    with pytest.raises(ValueError, match=r"miner PairMarginMiner needs a loss that takes indices_tuple; "
+                                         r"LiftedStructureLoss does not"):
+        DMLModule(SmallConvNet(width=4), loss="lifted_structure", miner=PairMarginMiner())
+    with pytest.raises(ValueError, match=r"unknown miner 'batch_hardd'"):
+        DMLModule(SmallConvNet(width=4), loss="triplet", miner="batch_hardd")
+
+
+def test_cli_model_miner_by_name_and_by_class_path(tmp_path, monkeypatch):
+    from tests.test_cli import GLYPHS
+    from lightning_dml.cli import build_cli
+
+    monkeypatch.chdir(tmp_path)
+    cli = build_cli(["--config", str(GLYPHS), "--model.loss=triplet", "--model.miner=batch_hard"], run=False)
+    assert isinstance(cli.model.miner, BatchHardMiner)
+    cli = build_cli(
+        ["--config", str(GLYPHS), "--model.loss=contrastive", "--model.miner=lightning_dml.miners.PairMarginMiner",
+         "--model.miner.init_args.neg_margin=0.6"],
+        run=False,
+    )
+    assert isinstance(cli.model.miner, PairMarginMiner) and cli.model.miner.neg_margin == 0.6
