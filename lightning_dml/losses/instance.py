@@ -6,16 +6,43 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_dml.losses.base import PairLoss, similarity_matrix
+from lightning_dml.losses.base import PairLoss
 from lightning_dml.losses.registry import register_loss
 
-__all__ = ["InstanceLoss", "instance_targets"]
+__all__ = ["InstanceLoss", "InstanceSoftmaxFunction", "instance_targets"]
 
 
 def instance_targets(labels: Tensor) -> Tensor:
     """The target column of every item: the rank of its label among the batch's distinct labels (``unique``'s
     inverse index; ``[3, 1, 3, 7] -> [1, 0, 1, 2]``)."""
     return torch.unique(labels, return_inverse=True)[1]
+
+
+class InstanceSoftmaxFunction(torch.autograd.Function):
+    """``mean_i (logsumexp_j(gamma x_i . x_j) - gamma x_i . x_{t_i})`` for unit rows ``x`` with the closed-form
+    backward ``(G + G^T) x``, ``G = gamma (softmax - onehot(t)) / B``: one ``B x B`` buffer (the logits, turned into
+    ``G`` in place) where autograd keeps the logits, the log-softmax and their gradients. The cosines are not
+    clamped (as pml's). Differentiable once."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, targets: Tensor, gamma: float) -> Tensor:  # type: ignore[override]
+        batch = x.shape[0]
+        rows = torch.arange(batch, device=x.device)
+        logits = (x @ x.T).mul_(gamma)
+        lse = torch.logsumexp(logits, dim=1)
+        loss = (lse - logits[rows, targets]).mean()
+        grad = logits.sub_(lse[:, None]).exp_()  # the softmax, in place
+        grad[rows, targets] -= 1.0
+        grad.mul_(gamma / batch)
+        ctx.save_for_backward(x, grad)
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+        x, grad = ctx.saved_tensors
+        # two products: forming G + G^T first is slower on CPU (strided transpose read)
+        return grad_out * (grad @ x + grad.T @ x), None, None
 
 
 @register_loss("instance")
@@ -41,7 +68,7 @@ class InstanceLoss(PairLoss):
     Args:
         gamma: the logit scale (64, pml's default; the paper's code uses 1 to 64).
 
-    Cost: one ``B x B`` cross-entropy. Degenerate batches: every batch is well defined (each row's logits include
+    Cost: one ``B x B`` buffer (:class:`InstanceSoftmaxFunction`, closed-form backward). Degenerate batches: every batch is well defined (each row's logits include
     its own ``gamma``); identical embeddings give ``log B``. Label sets are rejected (one instance per item). The
     targets are batch positions, which gathering across processes would renumber: ``gather_distributed`` is
     rejected at fit start (``gather_mode = None``); DDP without it trains each process on its own batch.
@@ -63,5 +90,4 @@ class InstanceLoss(PairLoss):
         return f"gamma={self.gamma}"
 
     def compute(self, anchors: Tensor, labels: Tensor, gallery: Tensor | None, gallery_labels: Tensor) -> Tensor:
-        logits = self.gamma * similarity_matrix(anchors, anchors)
-        return torch.nn.functional.cross_entropy(logits, instance_targets(labels))
+        return InstanceSoftmaxFunction.apply(anchors, instance_targets(labels), self.gamma)
