@@ -148,3 +148,60 @@ def test_bad_terms_are_named():
 def test_registry_names_pml_reducers():
     assert sorted(REDUCERS) == ["avg_non_zero", "class_weighted", "mean", "per_anchor", "sum", "threshold"]
     assert isinstance(PerAnchorReducer("avg_non_zero").reducer, AvgNonZeroReducer)
+
+
+# ----------------------------------------------------------------------------- SupCon's reducer= option
+def _supcon_batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """12 rows: classes of 3 and two singletons (anchors without positives); random or clustered (trained-like)."""
+    g = torch.Generator().manual_seed(3)
+    labels = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 4, 5])[torch.randperm(12, generator=g)]
+    x = torch.randn(12, 5, dtype=torch.float64, generator=g)
+    if kind == "clustered":
+        centres = torch.randn(6, 5, dtype=torch.float64, generator=g) * 3
+        x = centres[labels] + 0.2 * x
+    return x, labels
+
+
+SUPCON_REDUCERS = {
+    "mean": (MeanReducer, pml_reducers.MeanReducer),
+    "sum": (SumReducer, pml_reducers.SumReducer),
+    "avg_non_zero": (AvgNonZeroReducer, pml_reducers.AvgNonZeroReducer),
+    "threshold": (lambda: ThresholdReducer(high=3.0), lambda: pml_reducers.ThresholdReducer(high=3.0)),
+    "class_weighted": (lambda: ClassWeightedReducer([0.5, 2.0, 1.0, 3.0, 1.5, 0.25]),
+                       lambda: pml_reducers.ClassWeightedReducer(torch.tensor([0.5, 2.0, 1.0, 3.0, 1.5, 0.25]))),
+    "per_anchor": (PerAnchorReducer, pml_reducers.PerAnchorReducer),
+}
+
+
+@pytest.mark.parametrize("batch", ["random", "clustered"])
+@pytest.mark.parametrize("name", sorted(SUPCON_REDUCERS))
+def test_supcon_with_a_reducer_equals_pml_supcon_with_it(name, batch):
+    from pytorch_metric_learning.losses import SupConLoss as PMLSupCon
+
+    from lightning_dml.losses import SupConLoss
+
+    ours, theirs = (make() for make in SUPCON_REDUCERS[name])
+    x, labels = _supcon_batch(batch)
+    mine, ref = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    value = SupConLoss(temperature=0.1, reducer=ours)(mine, labels)
+    ref_value = PMLSupCon(temperature=0.1, reducer=theirs)(ref, labels)
+    torch.testing.assert_close(value, ref_value, rtol=1e-12, atol=1e-14)
+    (grad,) = torch.autograd.grad(value, mine)
+    (ref_grad,) = torch.autograd.grad(ref_value, ref)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-13)
+    if name != "class_weighted":  # the autograd path (closed_form=False) reduces the same terms
+        slow = SupConLoss(temperature=0.1, reducer=ours)
+        slow.closed_form = False
+        torch.testing.assert_close(slow(x, labels), ref_value.detach(), rtol=1e-12, atol=1e-14)
+
+
+def test_supcon_default_is_unchanged_and_a_reducer_name_is_accepted():
+    from lightning_dml.losses import SupConLoss
+
+    x, labels = _supcon_batch("random")
+    plain = SupConLoss()(x, labels)
+    valid_mean = SupConLoss(reducer=SumReducer())(x, labels) / 9  # 9 anchors have positives, 3 are singletons
+    torch.testing.assert_close(plain, valid_mean)  # the paper's mean over anchors with positives
+    assert isinstance(SupConLoss(reducer="avg_non_zero").reducer, AvgNonZeroReducer)
+    chunked = SupConLoss(reducer="avg_non_zero", anchor_chunk_size=5)(x, labels)
+    torch.testing.assert_close(chunked, SupConLoss(reducer="avg_non_zero")(x, labels))

@@ -23,8 +23,8 @@ all give 0 (pml's mean of an empty tensor is NaN), and a pair given twice counts
 :class:`PerAnchorReducer` (pml writes both into one cell of a ``B x B`` matrix and keeps one). The means and the
 sum divide by :func:`~lightning_dml.losses.base.batch_normaliser` of their count, the divisor the library's own
 reductions use (``max(count, 1)`` in one process; all-reduced inside
-:func:`~lightning_dml.losses.base.global_reduction`); no library loss takes a reducer yet, so that path has no
-DDP test of its own.
+:func:`~lightning_dml.losses.base.global_reduction`): :class:`~lightning_dml.losses.SupConLoss` with a reducer equals
+one process holding the global batch under ``gather_distributed`` (``tests/distributed/run_gather_loss.py``).
 """
 
 from __future__ import annotations
@@ -222,6 +222,10 @@ class ClassWeightedReducer(Reducer):
                batch_size: int | None) -> Tensor:
         if labels is None:
             raise ValueError("ClassWeightedReducer needs the batch's labels")
+        if labels.ndim != 1:
+            raise ValueError(
+                f"ClassWeightedReducer needs one label per item, got labels of shape {tuple(labels.shape)}"
+            )
         classes = labels[_anchor_rows(kind, indices, losses.numel()).to(labels.device)]
         if classes.numel() and (int(classes.min()) < 0 or int(classes.max()) >= self.weights.numel()):
             raise ValueError(

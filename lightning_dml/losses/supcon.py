@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from lightning_dml.losses.base import batch_normaliser, masked_lse
+from lightning_dml.losses.reducers import Reducer, build_reducer
 from lightning_dml.losses.registry import register_loss
 from lightning_dml.losses.softmax_pairs import anchor_mean, neighbour_softmax_terms
 from lightning_dml.losses.temperature import TemperaturePairLoss
@@ -33,6 +34,11 @@ class SupConLoss(TemperaturePairLoss):
             loss by ``tau / 0.07``, which we do not (it only multiplies the loss by a constant).
         anchor_chunk_size: score the anchors this many at a time, each block's ``B x N`` matrices recomputed in
             the backward (memory ``O(chunk x N)``, same value and gradients; :mod:`lightning_dml.losses.chunking`).
+        reducer: a pml reducer (:mod:`lightning_dml.losses.reducers`, or its name) of the ``B`` per-anchor terms
+            ``L_i`` in place of the mean over the anchors with positives (the paper's Eq. 2 leaves the reduction
+            open: a sum); an anchor without a positive has the term 0, as in pml, so ``reducer="avg_non_zero"``
+            (pml's default) gives pml's value. ``ClassWeightedReducer`` needs ``closed_form=True`` (the default:
+            the labels reach the reduction there) and one label per item.
 
     Degenerate batches: an anchor without a positive has no term and does not count in the mean; a batch without
     any positive pair gives 0 with zero gradient. A batch of one class (no negatives) is still defined (each
@@ -48,9 +54,20 @@ class SupConLoss(TemperaturePairLoss):
     #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
     supports_label_sets = True
 
-    def __init__(self, temperature: float = 0.1, anchor_chunk_size: int | None = None) -> None:
+    def __init__(
+        self, temperature: float = 0.1, anchor_chunk_size: int | None = None, reducer: Reducer | str | None = None
+    ) -> None:
         super().__init__(temperature)
         self.set_anchor_chunk_size(anchor_chunk_size)
+        self.reducer = build_reducer(reducer) if isinstance(reducer, str) else reducer
+
+    def _reduce(self, per_anchor: Tensor, valid: Tensor, labels: Tensor | None) -> Tensor:
+        """The mean over the anchors with positives, or ``reducer`` over all anchors (0 for those without)."""
+        if self.reducer is None:
+            return anchor_mean(per_anchor, valid, batch_normaliser(valid.sum(), per_anchor))
+        terms = torch.where(valid, per_anchor, 0.0)
+        rows = torch.arange(terms.shape[0], device=terms.device)
+        return self.reducer(terms, "element", rows, labels, terms.shape[0])
 
     def _has_closed_form(self) -> bool:
         return True
@@ -65,7 +82,7 @@ class SupConLoss(TemperaturePairLoss):
         valid = count > 0
         # the mean over the positives with each term divided first (as anchor_mean: no overflow of the sum)
         per_anchor = lse - (torch.where(pos, positives, 0.0) / count.clamp(min=1)[:, None]).sum(dim=1)
-        return anchor_mean(per_anchor, valid, batch_normaliser(valid.sum(), per_anchor))
+        return self._reduce(per_anchor, valid, labels)
 
     def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
         logits = sim / self.temperature
@@ -75,4 +92,4 @@ class SupConLoss(TemperaturePairLoss):
         # -1/|P| sum_P log(e^{l_ip} / sum_A e^{l_ia}) = log sum_A e^{l_ia} - mean_P l_ip
         count = pos.sum(dim=1, keepdim=True).clamp(min=1)
         per_anchor = log_denominator - (torch.where(pos, logits, 0.0) / count).sum(dim=1)
-        return anchor_mean(per_anchor, valid, batch_normaliser(valid.sum(), per_anchor))
+        return self._reduce(per_anchor, valid, None)

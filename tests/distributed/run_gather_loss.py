@@ -70,6 +70,11 @@ def _variants() -> dict[str, tuple[str, dict]]:
         {"loss": "triplet", "embedding_size": DIM, "memory_size": 20},
     )
     cases["cross_batch_memory"] = ("cross_batch_memory", {"embedding_size": DIM, "memory_size": 20})
+    from lightning_dml.losses.reducers import ThresholdReducer  # pml reducers of SupCon's per-anchor terms
+
+    for reducer in ("sum", "avg_non_zero", "per_anchor"):
+        cases[f"supcon_reducer_{reducer}"] = ("supcon", {"reducer": reducer})
+    cases["supcon_reducer_threshold"] = ("supcon", {"reducer": ThresholdReducer(high=2.5)})
     return cases
 
 
