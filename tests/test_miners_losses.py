@@ -10,7 +10,8 @@ per anchor); MultiSimilarity and Circle take masks in pml too.
 import pytest
 import torch
 
-from lightning_dml.losses import CircleLoss, ContrastiveLoss, LiftedStructureLoss, MultiSimilarityLoss, TripletLoss
+from lightning_dml.losses import CircleLoss, ContrastiveLoss, LiftedStructureLoss, MultiSimilarityLoss, NTXentLoss
+from lightning_dml.losses import TripletLoss
 from lightning_dml.miners import (
     BatchHardMiner,
     HDCMiner,
@@ -38,6 +39,8 @@ LOSSES = {  # ours, pml's, the miners whose tuples they are compared on
     "multi_similarity": (lambda: MultiSimilarityLoss(mining=False), lambda: pml_losses.MultiSimilarityLoss(),
                          ("multi_similarity", "pair_margin", "triplet_margin")),
     "circle": (lambda: CircleLoss(m=0.4, gamma=80), lambda: pml_losses.CircleLoss(m=0.4, gamma=80),
+               ("multi_similarity", "pair_margin", "batch_hard")),
+    "ntxent": (lambda: NTXentLoss(), lambda: pml_losses.NTXentLoss(temperature=0.1),
                ("multi_similarity", "pair_margin", "batch_hard")),
 }
 CASES = [(loss, miner) for loss, (_, _, miners) in LOSSES.items() for miner in miners]

@@ -41,6 +41,9 @@ class NTXentLoss(TemperaturePairLoss):
     gather_mode = "references"
     #: anchor_chunk_size: a sum of per-anchor terms over batch-wide counts (losses.chunking)
     supports_anchor_chunks = True
+    #: indices_tuple (a miner's output, lightning_dml.miners.indices): the tuple's positive pairs, each against the
+    #: anchor's mined negatives (pml's NTXentLoss)
+    supports_indices_tuple = True
     label_sets_reason = (
         "label sets are not implemented for it yet (its definition only asks which pairs are positive, so it could "
         "take them: see docs/losses/README.md)"
