@@ -150,7 +150,7 @@ def test_registry_names_pml_reducers():
     assert isinstance(PerAnchorReducer("avg_non_zero").reducer, AvgNonZeroReducer)
 
 
-# ----------------------------------------------------------------------------- SupCon's reducer= option
+# ----------------------------------------------------------------------- the losses' reducer= option
 def _supcon_batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     """12 rows: classes of 3 and two singletons (anchors without positives); random or clustered (trained-like)."""
     g = torch.Generator().manual_seed(3)
@@ -173,35 +173,43 @@ SUPCON_REDUCERS = {
 }
 
 
+def _losses(loss: str, reducer, pml_reducer):
+    """(ours, pml's) of ``loss`` with the two reducers."""
+    from pytorch_metric_learning import losses as pml_losses
+
+    from lightning_dml.losses import NCALoss, SupConLoss
+
+    if loss == "supcon":
+        return SupConLoss(temperature=0.1, reducer=reducer), pml_losses.SupConLoss(temperature=0.1, reducer=pml_reducer)
+    return NCALoss(scale=2.0, reducer=reducer), pml_losses.NCALoss(softmax_scale=2.0, reducer=pml_reducer)
+
+
 @pytest.mark.parametrize("batch", ["random", "clustered"])
 @pytest.mark.parametrize("name", sorted(SUPCON_REDUCERS))
-def test_supcon_with_a_reducer_equals_pml_supcon_with_it(name, batch):
-    from pytorch_metric_learning.losses import SupConLoss as PMLSupCon
-
-    from lightning_dml.losses import SupConLoss
-
-    ours, theirs = (make() for make in SUPCON_REDUCERS[name])
+@pytest.mark.parametrize("loss", ["supcon", "nca"])
+def test_a_loss_with_a_reducer_equals_pml_loss_with_it(loss, name, batch):
+    ours, theirs = _losses(loss, *(make() for make in SUPCON_REDUCERS[name]))
     x, labels = _supcon_batch(batch)
     mine, ref = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
-    value = SupConLoss(temperature=0.1, reducer=ours)(mine, labels)
-    ref_value = PMLSupCon(temperature=0.1, reducer=theirs)(ref, labels)
+    value = ours(mine, labels)
+    ref_value = theirs(ref, labels)
     torch.testing.assert_close(value, ref_value, rtol=1e-12, atol=1e-14)
     (grad,) = torch.autograd.grad(value, mine)
     (ref_grad,) = torch.autograd.grad(ref_value, ref)
     torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-13)
     if name != "class_weighted":  # the autograd path (closed_form=False) reduces the same terms
-        slow = SupConLoss(temperature=0.1, reducer=ours)
-        slow.closed_form = False
-        torch.testing.assert_close(slow(x, labels), ref_value.detach(), rtol=1e-12, atol=1e-14)
+        ours.closed_form = False
+        torch.testing.assert_close(ours(x, labels), ref_value.detach(), rtol=1e-12, atol=1e-14)
 
 
-def test_supcon_default_is_unchanged_and_a_reducer_name_is_accepted():
-    from lightning_dml.losses import SupConLoss
+@pytest.mark.parametrize("loss", ["supcon", "nca"])
+def test_default_is_unchanged_and_a_reducer_name_is_accepted(loss):
+    from lightning_dml.losses import build_loss
 
     x, labels = _supcon_batch("random")
-    plain = SupConLoss()(x, labels)
-    valid_mean = SupConLoss(reducer=SumReducer())(x, labels) / 9  # 9 anchors have positives, 3 are singletons
-    torch.testing.assert_close(plain, valid_mean)  # the paper's mean over anchors with positives
-    assert isinstance(SupConLoss(reducer="avg_non_zero").reducer, AvgNonZeroReducer)
-    chunked = SupConLoss(reducer="avg_non_zero", anchor_chunk_size=5)(x, labels)
-    torch.testing.assert_close(chunked, SupConLoss(reducer="avg_non_zero")(x, labels))
+    plain = build_loss(loss)(x, labels)
+    valid_mean = build_loss(loss, reducer=SumReducer())(x, labels) / 9  # 9 anchors have positives, 3 singletons
+    torch.testing.assert_close(plain, valid_mean)  # the library's mean over the anchors with positives
+    assert isinstance(build_loss(loss, reducer="avg_non_zero").reducer, AvgNonZeroReducer)
+    chunked = build_loss(loss, reducer="avg_non_zero", anchor_chunk_size=5)(x, labels)
+    torch.testing.assert_close(chunked, build_loss(loss, reducer="avg_non_zero")(x, labels))

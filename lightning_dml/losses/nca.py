@@ -7,6 +7,7 @@ from torch import Tensor
 
 from lightning_dml.losses.base import PairLoss, batch_normaliser, masked_lse
 from lightning_dml.losses.registry import register_loss
+from lightning_dml.losses.reducers import Reducer, build_reducer
 from lightning_dml.losses.softmax_pairs import anchor_mean, neighbour_log_probability, neighbour_softmax_terms
 
 __all__ = ["NCALoss"]
@@ -36,6 +37,10 @@ class NCALoss(PairLoss):
         objective: ``"log"`` or ``"expected"``.
         anchor_chunk_size: score the anchors this many at a time, each block's ``B x N`` matrices recomputed in
             the backward (memory ``O(chunk x N)``, same value and gradients; :mod:`lightning_dml.losses.chunking`).
+        reducer: a pml reducer (:mod:`lightning_dml.losses.reducers`, or its name) of the per-anchor terms of the
+            anchors with a positive, in place of their mean (NCA's objective is a sum over the points: the
+            reduction is open); pml's ``NCALoss`` passes the same terms to its reducer. ``ClassWeightedReducer``
+            needs ``closed_form=True`` (the default: the labels reach the reduction there) and one label per item.
 
     Degenerate batches: an anchor without a positive has no term and does not count; a batch without positive
     pairs gives 0 with zero gradient. A single-class batch gives ``p_i = 1`` for all anchors (loss 0, resp. -1).
@@ -50,8 +55,15 @@ class NCALoss(PairLoss):
     #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
     supports_label_sets = True
 
-    def __init__(self, scale: float = 1.0, objective: str = "log", anchor_chunk_size: int | None = None) -> None:
+    def __init__(
+        self,
+        scale: float = 1.0,
+        objective: str = "log",
+        anchor_chunk_size: int | None = None,
+        reducer: Reducer | str | None = None,
+    ) -> None:
         super().__init__()
+        self.reducer = build_reducer(reducer) if isinstance(reducer, str) else reducer
         if not scale > 0:
             raise ValueError(f"scale must be > 0, got {scale}")
         if objective not in _OBJECTIVES:
@@ -74,12 +86,17 @@ class NCALoss(PairLoss):
         if not self.closed_form:
             return super().compute(anchors, labels, gallery, gallery_labels)
         lse, positives, pos = neighbour_softmax_terms(anchors, labels, gallery, gallery_labels, 2.0 * self.scale)
-        return self._reduce(neighbour_log_probability(lse, positives, pos, gallery_labels.numel()), pos.any(dim=1))
+        log_p = neighbour_log_probability(lse, positives, pos, gallery_labels.numel())
+        return self._reduce(log_p, pos.any(dim=1), labels)
 
-    def _reduce(self, log_p: Tensor, valid: Tensor) -> Tensor:
-        """The objective's mean over the anchors with a positive, from their ``log p_i``."""
+    def _reduce(self, log_p: Tensor, valid: Tensor, labels: Tensor | None = None) -> Tensor:
+        """The objective's mean over the anchors with a positive, from their ``log p_i`` (or ``reducer`` of
+        those anchors' terms)."""
         per_anchor = -log_p if self.objective == "log" else -torch.exp(log_p)
-        return anchor_mean(per_anchor, valid, batch_normaliser(valid.sum(), per_anchor))
+        if self.reducer is None:
+            return anchor_mean(per_anchor, valid, batch_normaliser(valid.sum(), per_anchor))
+        rows = torch.arange(per_anchor.shape[0], device=per_anchor.device)[valid]
+        return self.reducer(per_anchor[valid], "element", rows, labels, per_anchor.shape[0])
 
     def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
         # -scale ||f_i - f_j||^2 = -scale (2 - 2 S_ij) on the unit sphere (S <= 1, so no clamp is needed)

@@ -23,8 +23,9 @@ all give 0 (pml's mean of an empty tensor is NaN), and a pair given twice counts
 :class:`PerAnchorReducer` (pml writes both into one cell of a ``B x B`` matrix and keeps one). The means and the
 sum divide by :func:`~lightning_dml.losses.base.batch_normaliser` of their count, the divisor the library's own
 reductions use (``max(count, 1)`` in one process; all-reduced inside
-:func:`~lightning_dml.losses.base.global_reduction`): :class:`~lightning_dml.losses.SupConLoss` with a reducer equals
-one process holding the global batch under ``gather_distributed`` (``tests/distributed/run_gather_loss.py``).
+:func:`~lightning_dml.losses.base.global_reduction`). The losses that take a ``reducer``
+(:class:`~lightning_dml.losses.SupConLoss`, :class:`~lightning_dml.losses.NCALoss`) with one equal one process
+holding the global batch under ``gather_distributed`` (``tests/distributed/run_gather_loss.py``).
 """
 
 from __future__ import annotations

@@ -70,11 +70,12 @@ def _variants() -> dict[str, tuple[str, dict]]:
         {"loss": "triplet", "embedding_size": DIM, "memory_size": 20},
     )
     cases["cross_batch_memory"] = ("cross_batch_memory", {"embedding_size": DIM, "memory_size": 20})
-    from lightning_dml.losses.reducers import ThresholdReducer  # pml reducers of SupCon's per-anchor terms
+    from lightning_dml.losses.reducers import ThresholdReducer  # pml reducers of the per-anchor terms
 
-    for reducer in ("sum", "avg_non_zero", "per_anchor"):
-        cases[f"supcon_reducer_{reducer}"] = ("supcon", {"reducer": reducer})
-    cases["supcon_reducer_threshold"] = ("supcon", {"reducer": ThresholdReducer(high=2.5)})
+    for loss in ("supcon", "nca"):
+        for reducer in ("sum", "avg_non_zero", "per_anchor"):
+            cases[f"{loss}_reducer_{reducer}"] = (loss, {"reducer": reducer})
+        cases[f"{loss}_reducer_threshold"] = (loss, {"reducer": ThresholdReducer(high=2.5)})
     return cases
 
 
