@@ -16,7 +16,6 @@ from lightning_dml.models.backbones import (
     build_backbone,
 )
 from lightning_dml.models.heads import LinearEmbedding, MultiLevelEmbedding
-from lightning_dml.models.hyperbolic import ToPoincare
 from lightning_dml.models.input_spec import (
     BNINCEPTION,
     TORCHVISION_IMAGENET,
@@ -42,7 +41,6 @@ __all__ = [
     "SmallConvNet",
     "TORCHVISION_IMAGENET",
     "TimmBackbone",
-    "ToPoincare",
     "WEIGHTS",
     "backbone_input_spec",
     "build_backbone",
