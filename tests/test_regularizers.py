@@ -198,6 +198,7 @@ def _proxy_anchor() -> ProxyAnchorLoss:
          r"running statistic.*per_level"),
         ([{"regularizer": "sparse_centers"}], "proxy_anchor", r"at least 2 centres per class"),
         ("lp", None, "must be a list of terms"),
+        ([{"regularizer": LpRegularizer()}], None, r"must be a registry name .*got LpRegularizer: the terms are saved"),
     ],
 )
 def test_a_bad_term_is_one_user_error_naming_it(specs, loss, message):

@@ -5,8 +5,10 @@ Each term is a plain dict (what a config holds)::
     {"regularizer": "spherical_embedding", "weight": 1.0, "target": "embeddings", "init_args": {"momentum": 1.0},
      "name": "sec"}
 
-``regularizer``: a registry name (:data:`~lightning_dml.regularizers.REGULARIZERS`) or, in Python, a regularizer
-module; ``weight`` (default 1): its factor in the training objective; ``target`` (default: what the paper
+``regularizer``: a registry name (:data:`~lightning_dml.regularizers.REGULARIZERS`; a class of your own joins it with
+:func:`~lightning_dml.regularizers.register_regularizer`), so that the terms stay plain data in a checkpoint's
+hyper-parameters (a built module there would be pickled code, which the library's checkpoint reader refuses);
+``weight`` (default 1): its factor in the training objective; ``target`` (default: what the paper
 regularises, the regularizer's ``default_target``): ``"embeddings"`` (the training batch's raw embeddings) or
 ``"loss_weights"`` (the rows of the loss's ``proxies``: class weights, proxies, SoftTriple's centres; the loss must
 be a :class:`~lightning_dml.losses.ProxyLoss`); ``init_args``: keyword arguments of a named regularizer; ``name``
@@ -72,12 +74,12 @@ def _build(spec: Any, index: int, loss: nn.Module) -> tuple[str, nn.Module, floa
             raise RegularizerSpecError(f"{where}: {error}") from None
         except (TypeError, ValueError) as error:
             raise RegularizerSpecError(f"{where} ({chosen!r}): {error}") from None
-    elif isinstance(chosen, nn.Module):
-        if init_args:
-            raise RegularizerSpecError(f"{where}: init_args go with a regularizer name, not a built regularizer")
-        regularizer = chosen
     else:
-        raise RegularizerSpecError(f"{where}: 'regularizer' must be a registry name or a module, got {chosen!r}")
+        raise RegularizerSpecError(
+            f"{where}: 'regularizer' must be a registry name (register a class of your own with "
+            f"lightning_dml.regularizers.register_regularizer), got {type(chosen).__name__}: the terms are saved as "
+            "plain data in the checkpoint's hyper-parameters"
+        )
     target = spec.get("target", getattr(regularizer, "default_target", "embeddings"))
     if target not in TARGETS:
         raise RegularizerSpecError(f"{where}: 'target' must be one of {list(TARGETS)}, got {target!r}")
