@@ -19,6 +19,7 @@ from lightning_dml.checks import check_fit_combination, check_gather_combination
 from lightning_dml.gradient_cache import batch_statistics_layers, check_chunk_size, chunked_embeddings
 from lightning_dml.losses import build_loss
 from lightning_dml.losses.distributed import gathered_loss
+from lightning_dml.losses.partial_fc import check_sharded_fit
 from lightning_dml.miners import Miner, MinedLoss, build_miner
 from lightning_dml.metrics import RetrievalMetrics, progress_bars
 from lightning_dml.models.backbones import check_levels
@@ -557,6 +558,7 @@ class DMLModule(pl.LightningModule):
             datamodule = getattr(self.trainer, "datamodule", None)
             check_fit_combination(self.loss, datamodule)
             check_gather_combination(self.loss, self.gather_distributed)
+            check_sharded_fit(self.loss, self.trainer.world_size)  # Partial FC's shards are not Lightning's DDP
             self._complete_losses(datamodule)
 
     def training_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:

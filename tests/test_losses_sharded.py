@@ -141,3 +141,26 @@ def test_sharded_losses_under_2_and_3_processes_equal_one_process_and_resume_at_
         loss = build("arcface", {}, sharded)
         loss.load_state_dict(saved["state_dict"])
         torch.testing.assert_close(loss(x, y), saved["value"], rtol=1e-12, atol=0)
+
+
+def test_dml_module_refuses_a_sharded_loss_under_ddp(monkeypatch):
+    """Lightning's DDP wrapper would broadcast and average the shards: refused by name at fit start (a trainer that
+    reports 2 processes); on one process the same module sets up."""
+    import pytorch_lightning as pl
+
+    from lightning_dml.losses import ArcFaceLoss
+    from lightning_dml.models import SmallConvNet
+    from lightning_dml.module import DMLModule
+
+    def setup(world: int) -> None:
+        model = DMLModule(
+            SmallConvNet(in_channels=1, width=4), loss=ArcFaceLoss(4, 8, sharded=True), embedding_dim=8,
+            clustering=False,
+        )
+        model.trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+        monkeypatch.setattr(pl.Trainer, "world_size", property(lambda self: world))
+        model.setup("fit")
+
+    setup(1)
+    with pytest.raises(ValueError, match=r"ArcFaceLoss\(sharded=True\) cannot be trained by DMLModule under DDP \(2 "):
+        setup(2)

@@ -41,6 +41,8 @@ from torch import Tensor
 from lightning_dml.distributed import all_gather_uneven, get_world_size
 
 __all__ = [
+    "check_sharded_fit",
+    "cosine_to_proxies",
     "gather_batch",
     "global_value",
     "sample_classes",
@@ -96,6 +98,38 @@ def global_value(local: Tensor) -> Tensor:
     return local + (total - local.detach())
 
 
+class _CosineToProxies(torch.autograd.Function):
+    """``x @ unit(proxies).T`` with the closed-form backward of
+    :class:`~lightning_dml.losses.proxies.ProxySoftmaxFunction`: the proxies' gradient ``G^T x`` is projected onto
+    the unit rows' tangent space in place, ``(g - u (g . u)) / n``, so the step holds the unit rows and one
+    gradient-sized buffer of the shard (autograd's normalisation backward holds several)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, proxies: Tensor) -> Tensor:  # type: ignore[override]
+        from lightning_dml.losses.proxies import unit_rows
+
+        unit, norms = unit_rows(proxies)
+        ctx.save_for_backward(x, unit, norms)
+        return x @ unit.T
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):  # type: ignore[override]
+        x, unit, norms = ctx.saved_tensors
+        grad_x = grad @ unit if ctx.needs_input_grad[0] else None
+        grad_p = None
+        if ctx.needs_input_grad[1]:
+            grad_p = grad.T @ x
+            along = torch.einsum("cd,cd->c", grad_p, unit)
+            grad_p.addcmul_(unit, along[:, None], value=-1.0).div_(norms)
+        return grad_x, grad_p
+
+
+def cosine_to_proxies(x: Tensor, proxies: Tensor) -> Tensor:
+    """The ``N x R`` cosines of the normalised embeddings ``x`` to the unit rows of the raw ``proxies``
+    (differentiable in both; see :class:`_CosineToProxies`)."""
+    return _CosineToProxies.apply(x, proxies)
+
+
 def sample_classes(positive: Tensor, num_local: int, sample_rate: float) -> Tensor:
     """Sorted local class indices kept this step: every ``positive`` one (local indices of the batch's classes held
     here, may repeat) plus uniformly drawn others up to ``int(sample_rate * num_local)`` in all (module docstring;
@@ -147,14 +181,13 @@ def sharded_softmax_loss(
         cols = torch.searchsorted(kept, cols)
         proxy_rows = (kept[:, None] * per_class + torch.arange(per_class, device=kept.device)).reshape(-1)
         shard = shard[proxy_rows]
-    from lightning_dml.losses.proxies import normalize_proxies  # proxies.py imports this module
-
-    cos = big_x @ normalize_proxies(shard).T
+    cos = cosine_to_proxies(big_x, shard)
     sim = cos if per_class == 1 else cos.view(n, -1, per_class).max(dim=2).values
     target = sim[rows, cols]
     target_logit = scale * (target if target_fn is None else target_fn(target))
     fill = torch.full_like(target_logit, -math.inf) if exclude_target else target_logit
     logits = (scale * sim).index_put((rows, cols), fill)
+    del cos, sim  # free the cosines early (autograd keeps only what the backward needs)
     if logits.shape[1] > 0:
         top = logits.detach().amax(dim=1)
     else:  # a process whose sample is empty (sample_rate * C_r < 1 and no positive here)
@@ -162,6 +195,7 @@ def sharded_softmax_loss(
     if get_world_size() > 1:
         dist.all_reduce(top, op=dist.ReduceOp.MAX)
     shifted = torch.exp(logits - top[:, None])
+    del logits
     part = shifted.sum(dim=1)
     total = part.detach().clone()
     if get_world_size() > 1:
@@ -174,3 +208,16 @@ def sharded_softmax_loss(
     value = (top + torch.log(total) - full_targets).mean()
     return local_part + (value - local_part).detach()
 
+
+def check_sharded_fit(loss: object, world_size: int) -> None:
+    """``ValueError`` naming the loss when a loss with ``sharded=True`` would be trained by ``DMLModule`` under DDP
+    (``world_size > 1``): Lightning's DDP wrapper holds every parameter of the module, so it would broadcast rank
+    0's centres to all processes and average the processes' centre gradients, while each process holds other
+    classes. On one process ``sharded=True`` is the plain loss and passes."""
+    if world_size > 1 and getattr(loss, "sharded", False):
+        raise ValueError(
+            f"{type(loss).__name__}(sharded=True) cannot be trained by DMLModule under DDP ({world_size} processes): "
+            "Lightning's DistributedDataParallel would broadcast and average the class centres, but each process "
+            "holds other classes. Set sharded: false (every process holds all centres), or train in a PyTorch loop "
+            "that keeps the loss outside DistributedDataParallel (docs/memory.md, 'Classes that do not fit')"
+        )

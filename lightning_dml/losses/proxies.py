@@ -20,7 +20,7 @@ from torch.autograd.function import once_differentiable
 from lightning_dml.losses.base import check_inputs, label_sets_error, normalize_embeddings, upcast
 from lightning_dml.scaling import power_of_two_scale
 
-__all__ = ["ProxyLoss", "ProxySoftmaxFunction", "normalize_proxies", "proxy_softmax_loss"]
+__all__ = ["ProxyLoss", "ProxySoftmaxFunction", "normalize_proxies", "proxy_softmax_loss", "unit_rows"]
 
 
 def _check_size(value: int | None, name: str, owner: str, minimum: int) -> int | None:
@@ -45,7 +45,7 @@ def normalize_proxies(proxies: Tensor) -> Tensor:
     return normalize_embeddings(proxies) if norms is None else proxies / norms
 
 
-def _unit_rows(proxies: Tensor) -> tuple[Tensor, Tensor]:
+def unit_rows(proxies: Tensor) -> tuple[Tensor, Tensor]:
     """``(u, n)`` with ``u = proxies / n`` the unit rows and ``n`` the row norms, without autograd; the scale-safe
     path of :func:`~lightning_dml.scaling.l2_normalize` where a norm overflows or is tiny (a zero row gives
     ``u = 0`` and ``n = 1e-12``, as ``F.normalize``). The derivative of ``u`` is ``(g - u (g . u)) / n``."""
@@ -100,7 +100,7 @@ class ProxySoftmaxFunction(torch.autograd.Function):
     ) -> Tensor:
         batch = x.shape[0]
         rows = torch.arange(batch, device=labels.device)
-        unit, norms = _unit_rows(proxies)
+        unit, norms = unit_rows(proxies)
         cos = x @ unit.T
         pool: tuple[Tensor, ...] = ()
         if per_class == 1:

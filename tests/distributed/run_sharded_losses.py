@@ -1,6 +1,7 @@
 """W gloo processes: the proxy losses with ``sharded=True`` (Partial FC) equal the unsharded loss of the global batch
 in one process (fp64: values, the embeddings' gradients and each shard's gradient), checkpoints load at any world
-size, and ``sample_rate < 1`` is the softmax over the sampled classes of all processes.
+size, ``sample_rate < 1`` is the softmax over the sampled classes of all processes, and an SGD step with the backbone
+in ``DistributedDataParallel`` and the sharded loss outside it equals one process's step on the global batch.
 
 Run directly: ``python tests/distributed/run_sharded_losses.py WORLD CHECKPOINT save|load``; exits 0 and prints
 ``SHARDED-OK world=W``. ``save`` writes (rank 0) the state dict of a sharded ArcFace after one SGD step on its
@@ -132,6 +133,27 @@ def _worker(rank: int, world: int, store: str, checkpoint: str, phase: str) -> N
             failures.append(f"{name} sampled: differs from the plain loss over the sampled classes")
         lines.append(f"{name} sample_rate=0.5: {len(kept)} of {C} classes")
     partial_fc.sample_classes = sample
+
+    # a training step as Partial FC's code takes it: the backbone in DistributedDataParallel, the sharded loss
+    # outside it (its shard in the optimizer only); equals one process's step on the global batch
+    from torch.nn.parallel import DistributedDataParallel
+
+    inputs = torch.randn(N, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    steps = {}
+    for distributed in (False, True):
+        torch.manual_seed(4)
+        backbone = torch.nn.Linear(4, D).double()
+        loss = build("arcface", {}, distributed)
+        loss.load_state_dict({"proxies": proxies(loss)})
+        model = DistributedDataParallel(backbone) if distributed else backbone
+        opt = torch.optim.SGD(list(model.parameters()) + list(loss.parameters()), lr=0.1)
+        rows_in = local if distributed else slice(None)
+        loss(model(inputs[rows_in]), y[rows_in]).backward()
+        opt.step()
+        steps[distributed] = [backbone.weight.detach(), backbone.bias.detach(), loss.state_dict()["proxies"]]
+    if not all(close(a, b) for a, b in zip(steps[True], steps[False])):
+        failures.append("a DDP step (backbone in DDP, sharded loss outside) differs from one process's step")
+    lines.append("DDP step with the sharded loss outside DistributedDataParallel: equal to one process's step")
 
     # checkpoints: a sharded ArcFace's state dict holds all classes; saved under one world size, loaded under another
     loss = build("arcface", {}, True)
