@@ -284,9 +284,9 @@ def test_regularizers_in_a_config(tmp_path):
         "    - {regularizer: sparse_centers, weight: 2, target: loss_weights}\n"
         "    - {regularizer: lp, weight: 0.001, init_args: {p: 2, power: 2}, name: l2}\n"
     )
-    cli = build_cli([f"--config={config}", "--trainer.logger=false",
-                     "--model.backbone=lightning_dml.models.SmallConvNet", "--data=lightning_dml.data.GlyphsDataModule"],
-                    run=False)
+    args = [f"--config={config}", "--trainer.logger=false", "--model.backbone=lightning_dml.models.SmallConvNet",
+            "--data=lightning_dml.data.GlyphsDataModule"]
+    cli = build_cli(args, run=False)
     terms = cli.model.regularization
     assert terms.names == ["spherical_embedding", "sparse_centers", "l2"]
     assert terms.weights == [0.5, 2.0, 0.001] and terms.targets == ["embeddings", "loss_weights", "embeddings"]
