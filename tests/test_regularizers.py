@@ -226,6 +226,21 @@ def test_terms_are_weighted_named_and_read_the_loss_sizes():
     torch.testing.assert_close(out["sparse_centers"], 3.0 * reference)
 
 
+def test_per_level_terms_sum_over_the_levels_and_their_losses():
+    """fusion="per_level": an embeddings term over each level's embeddings, a weights term over each level's loss."""
+    losses = [SoftTripleLoss(num_classes=CLASSES, embedding_dim=WIDTH, centers_per_class=PER_CLASS) for _ in range(2)]
+    with torch.no_grad():
+        losses[1].proxies.mul_(-2.0).add_(0.3)  # the levels' proxies differ
+    terms = RegularizationTerms([{"regularizer": "zero_mean", "weight": 2.0}, {"regularizer": "regular_face"}],
+                                losses[0], per_level=True)
+    levels = [_random(0), _clustered(1)]
+    out = terms(levels, losses)
+    zero_mean, regular_face = pml_regularizers.ZeroMeanRegularizer(), pml_regularizers.RegularFaceRegularizer()
+    torch.testing.assert_close(out["zero_mean"], 2.0 * (zero_mean(levels[0]) + zero_mean(levels[1])))
+    expected = regular_face(losses[0].proxies) + regular_face(losses[1].proxies)
+    torch.testing.assert_close(out["regular_face"], expected.detach(), check_dtype=False)
+
+
 def _loader() -> DataLoader:
     g = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (36, 3, 16, 16), dtype=torch.uint8, generator=g)
