@@ -558,7 +558,8 @@ class DMLModule(pl.LightningModule):
             datamodule = getattr(self.trainer, "datamodule", None)
             check_fit_combination(self.loss, datamodule)
             check_gather_combination(self.loss, self.gather_distributed)
-            check_sharded_fit(self.loss, self.trainer.world_size)  # Partial FC's shards are not Lightning's DDP
+            if getattr(self.loss, "sharded", False):  # Partial FC's shards cannot live in Lightning's DDP wrapper
+                check_sharded_fit(self.loss, self.trainer.world_size)
             self._complete_losses(datamodule)
 
     def training_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
