@@ -7,26 +7,26 @@ Split rule (insightface's ``partial_fc_v2.py``): with ``C`` classes and ``W`` pr
 its ``K`` proxy rows (sub-centres) in the loss's row layout; ``C >= W`` is required.
 
 Every process gathers the embeddings and labels of all processes (autograd-aware, in rank order: the global batch
-``X`` of ``N`` rows) and scores them against its own shard only. Partial FC's softmax (ICCVW 2021, Sec. 3: the
-logits ``W_j^T x`` of the full classifier, computed block-wise per process) is the cross-entropy over *all* classes:
-its normaliser is reduced across the processes, the row maxima with an all-reduce MAX and the sums of
-``exp(logit - max)`` with an all-reduce SUM, and the margin ``f`` is applied to the positive logit on the process
-that holds the positive class. Every process returns the global-batch loss's value.
+``X`` of ``N`` rows) and scores them against its own shard only. Partial FC's softmax is the margin softmax of the
+full classifier with its logits ``W_j^T x`` computed block-wise per process (insightface's ``DistCrossEntropyFunc``):
+the cross-entropy over *all* classes, its normaliser reduced across the processes (the row maxima with an
+all-reduce MAX, the sums of ``exp(logit - max)`` with an all-reduce SUM), the margin ``f`` applied to the positive
+logit on the process that holds the positive class. Every process returns the global-batch loss's value.
 
-Gradients (:func:`global_value` and :func:`scale_grad`): each process back-propagates only the part of the loss
-that depends on its shard, so its shard receives exactly the global loss's gradient; the gathered embeddings'
-gradients are summed over the processes by the all-gather's backward (each process's rows get the global loss's
-gradient) and multiplied by ``W``, because DDP averages the backbone's gradients over the ``W`` processes (the same
-factor as insightface's ``AllGatherFunc`` backward). Outside a distributed run (``W = 1``) all of this is the
-plain computation.
+Gradients: each process back-propagates only the part of the loss that depends on its shard (the surrogate of
+:func:`sharded_softmax_loss`, :func:`global_value`), so its shard receives exactly the global loss's gradient; the
+gathered embeddings' gradients are summed over the processes by the all-gather's backward (each process's rows get
+the global loss's gradient) and multiplied by ``W`` (:func:`gather_batch`), because DDP averages the backbone's
+gradients over the ``W`` processes (the factor of insightface's ``AllGatherFunc`` backward). Outside a distributed
+run (``W = 1``) all of this is the plain computation.
 
-Sampling (``sample_rate < 1``, Partial FC's PPRN: "positive plus randomly negative", ICCVW 2021 Sec. 3.2; CVPR 2022
-Sec. 3.1): each step, each process keeps the centres of every class of the global batch that it holds (the
-positives) and fills up to ``int(sample_rate * C_r)`` centres with negatives drawn uniformly without replacement
-from its other classes (all positives are kept when they alone exceed that number); the softmax is then taken over
-the sampled centres of all processes only, without re-weighting (the paper's estimator: ``W_j`` of the classes
-outside the sample are neither in the normaliser nor updated this step). The draw uses the default random
-generator of the shard's device, independently on each process.
+Sampling (``sample_rate < 1``; Partial FC's positive-plus-randomly-negative sampling, both papers, arXiv 2203.15565;
+insightface's ``PartialFC_V2.sample``): each step, each process keeps the centres of every class of the global batch
+that it holds (the positives) and fills up to ``int(sample_rate * C_r)`` centres with negatives drawn uniformly
+without replacement from its other classes (all positives are kept when they alone exceed that number); the
+softmax is then taken over the sampled centres of all processes only, without re-weighting (the papers' estimator:
+the centres outside the sample are neither in the normaliser nor updated this step). The draw uses the default
+random generator of the shard's device, independently on each process.
 """
 
 from __future__ import annotations
