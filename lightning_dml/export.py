@@ -151,6 +151,21 @@ def _write_safetensors(model: EmbeddingModel, record: dict[str, Any], path: Path
     save_model(model, str(path), metadata={RECORD_KEY: json.dumps(record, sort_keys=True)})
 
 
+class _NoInitOnMeta(torch.overrides.TorchFunctionMode):
+    """Leaves the random initialisers (``torch.nn.init.*_``, ``Tensor.normal_``) of ``meta`` tensors undone: they
+    hold no values, and torch's meta ``normal_`` is a Python reference whose first call imports ``torch._dynamo``
+    (about 2 s of ``lightning-dml search``'s start-up)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if func is torch.Tensor.normal_ or (getattr(func, "__module__", None) == "torch.nn.init" and name.endswith("_")):
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
 def load_safe_embedding_model(path: str | os.PathLike) -> EmbeddingModel:
     """The model of a safe-format file (``embedding_model.safetensors``) on the CPU, in eval mode, without
     gradients: rebuilt from its architecture record (:func:`build_embedding_model`), then its tensors loaded
@@ -184,7 +199,7 @@ def load_safe_embedding_model(path: str | os.PathLike) -> EmbeddingModel:
     except ValueError as error:
         raise CorruptFileError(f"exported model {path}: its architecture record is not JSON ({error})") from None
     where = f"exported model {path}"
-    with torch.device("meta"):  # no memory yet: the record's model must have exactly the file's tensors
+    with torch.device("meta"), _NoInitOnMeta():  # no memory yet: the record's model must have the file's tensors
         skeleton = build_embedding_model(record, where)
     expected = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
     if expected != shapes:

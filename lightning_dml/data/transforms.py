@@ -24,13 +24,17 @@ result, bit for bit, as the transforms in the workers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-from torchvision import transforms as T
-from torchvision.transforms import v2
 
 from lightning_dml.models.input_spec import InputSpec
+
+# torchvision is imported by the functions that build its transforms: importing it takes about 2 s (its ops import
+# torch._dynamo), which the users of ToInputSpec and default_resize_size alone (lightning_dml.data.pil_eval: search,
+# serve) do not pay
+if TYPE_CHECKING:
+    from torchvision.transforms import InterpolationMode
 
 
 class ToInputSpec:
@@ -170,8 +174,10 @@ class FinishingCollate:
         return f"{type(self).__name__}({self.collate_fn!r}, {self.convert.spec})"
 
 
-def _interpolation(spec: InputSpec) -> T.InterpolationMode:
+def _interpolation(spec: InputSpec) -> InterpolationMode:
     """torchvision's resampling mode for the spec's ``interpolation`` (bilinear, bicubic or nearest)."""
+    from torchvision import transforms as T
+
     return T.InterpolationMode(spec.interpolation)
 
 
@@ -191,6 +197,8 @@ def train_transform(
 ) -> Callable:
     """Random resized crop (``crop_scale`` = area range, torchvision's default) + horizontal flip + spec conversion,
     on PIL images. ``on_device``: stop after the crop, returning a :class:`DeviceImage` (uint8 crop + flip decision)."""
+    from torchvision import transforms as T
+
     crop = spec.crop_size if crop_size is None else int(crop_size)
     resized_crop = T.RandomResizedCrop(crop, scale=tuple(crop_scale), interpolation=_interpolation(spec), antialias=True)
     if on_device:
@@ -207,6 +215,8 @@ def tensor_train_transform(
     """:func:`train_transform` for uint8 ``[C, H, W]`` tensors (the decoded-image cache): torchvision.transforms.v2's
     random resized crop (the same random draws and resampling), horizontal flip and the spec conversion; with
     ``on_device`` it stops after the crop and returns a :class:`DeviceImage`."""
+    from torchvision.transforms import v2
+
     crop = spec.crop_size if crop_size is None else int(crop_size)
     resized_crop = v2.RandomResizedCrop(
         crop, scale=tuple(crop_scale), interpolation=_interpolation(spec), antialias=True
@@ -217,7 +227,10 @@ def tensor_train_transform(
 
 
 def eval_transform(spec: InputSpec, crop_size: int | None = None, resize_size: int | None = None) -> Callable:
-    """Resize the shorter side to ``resize_size`` + centre crop ``crop_size`` + spec conversion."""
+    """Resize the shorter side to ``resize_size`` + centre crop ``crop_size`` + spec conversion
+    (:class:`lightning_dml.data.pil_eval.PILEvalTransform` is the same without torchvision)."""
+    from torchvision import transforms as T
+
     crop = spec.crop_size if crop_size is None else int(crop_size)
     resize = default_resize_size(crop, spec) if resize_size is None else int(resize_size)
     if resize < crop:
@@ -233,6 +246,8 @@ def tensor_eval_transform(
     decoded-image cache's ``cache_size``): the resize is skipped when ``stored_size == resize_size`` (the cache
     resized the image exactly as :func:`eval_transform` does, so the result is the same, bit for bit), otherwise
     the stored image is resized again."""
+    from torchvision.transforms import v2
+
     crop = spec.crop_size if crop_size is None else int(crop_size)
     resize = default_resize_size(crop, spec) if resize_size is None else int(resize_size)
     if resize < crop:

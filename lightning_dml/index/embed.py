@@ -28,7 +28,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from lightning_dml.data.image_list import ImageListDataset, collate_skipping, load_image
-from lightning_dml.data.transforms import eval_transform
+from lightning_dml.data.pil_eval import PILEvalTransform
 from lightning_dml.errors import UserInputError
 from lightning_dml.models.input_spec import InputSpec
 from lightning_dml.run_model import preprocessing
@@ -81,6 +81,8 @@ def predict_embeddings(
 
     from lightning_dml.callbacks.predictions import PredictionWriter
     from lightning_dml.cli import quiet_lightning_tips
+
+    from lightning_dml.data.transforms import eval_transform
 
     quiet_lightning_tips()
     transform = eval_transform(spec, preprocess["crop_size"], preprocess["resize_size"])
@@ -141,7 +143,8 @@ class ImageEmbedder:
             self.model = self.model.to(self.device)
         self.spec = spec
         self.mode = preprocess["mode"]
-        self.transform = eval_transform(spec, preprocess["crop_size"], preprocess["resize_size"])
+        # eval_transform's result without importing torchvision (seconds of search's start-up)
+        self.transform = PILEvalTransform(spec, preprocess["crop_size"], preprocess["resize_size"])
         self.batch_size = int(batch_size)
 
     def _pixels(self, image: str | os.PathLike | Image.Image) -> Tensor:
