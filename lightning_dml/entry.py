@@ -6,11 +6,14 @@ Importing torch and Lightning takes seconds, so this module imports neither (sta
 
 * ``lightning-dml``, ``lightning-dml --help``: the list of commands, written here from :data:`COMMANDS`;
 * a misspelt command (``lightning-dml fitt``): one error line naming the closest commands;
-* ``lightning-dml <command> --help``: the command's help is printed by the command itself the first time (which
-  imports what it needs) and kept in the cache folder (``$LIGHTNING_DML_CACHE/help``, by default
-  ``~/.cache/lightning-dml/help``), keyed by the installed versions of lightning-dml, jsonargparse, Lightning and
-  torch, every source file's size and modification time and the terminal width; later calls print the kept text
-  without importing torch. ``LIGHTNING_DML_HELP_CACHE=0`` turns the cache off.
+* ``lightning-dml <command> --help``: the text shipped in the package (``lightning_dml/help_texts/<command>.txt``,
+  written from the real parsers at :data:`HELP_WIDTH` columns by ``tools/help_texts.py``, which a test runs to
+  fail when a shipped text differs from what the parser prints) when the installed Python and the distributions
+  of :data:`HELP_DISTRIBUTIONS` have the versions the texts were written with (``help_texts/versions.json``).
+  Otherwise the command prints its help itself the first time (which imports what it needs) and it is kept in
+  the cache folder (``$LIGHTNING_DML_CACHE/help``, by default ``~/.cache/lightning-dml/help``), keyed by those
+  versions, every source file's size and modification time and the terminal width; later calls print the kept
+  text without importing torch. ``LIGHTNING_DML_HELP_CACHE=0`` turns the cache off.
 
 Every other command line runs the command: :data:`COMMANDS` by their module's ``main(argv)`` (these modules
 import only what their command needs: ``search`` does not import Lightning), ``fit``, ``validate``, ``test`` and
@@ -78,8 +81,16 @@ TRAINER_COMMANDS: dict[str, str] = {
 GLOBAL_SWITCHES = ("--offline", "--debug")
 
 HELP_CACHE_ENV = "LIGHTNING_DML_HELP_CACHE"
-#: Distributions whose version changes a command's help
-_HELP_DISTRIBUTIONS = ("lightning-dml", "jsonargparse", "pytorch-lightning", "torch", "torchvision", "timm")
+#: Distributions whose version changes a command's help (jsonargparse's signatures extra reads the docstrings with
+#: docstring-parser and the stubs with typeshed-client; Lightning, torch and torchvision give the trainer's,
+#: optimisers' and models' options)
+HELP_DISTRIBUTIONS = ("jsonargparse", "docstring-parser", "typeshed-client", "pytorch-lightning", "torch",
+                      "torchvision", "timm", "torchmetrics")
+_HELP_DISTRIBUTIONS = ("lightning-dml", *HELP_DISTRIBUTIONS)
+#: Width (terminal columns) of the shipped help texts: they are printed as written, whatever the terminal
+HELP_WIDTH = 80
+#: The shipped help texts: ``<command>.txt`` and ``versions.json`` (:func:`help_versions` when they were written)
+HELP_TEXTS = Path(__file__).resolve().parent / "help_texts"
 
 
 def help_text() -> str:
@@ -131,6 +142,35 @@ def help_cache_key(words: Sequence[str]) -> str:
                 stat = os.stat(path)
                 parts.append(f"{os.path.relpath(path, package)}:{stat.st_size}:{stat.st_mtime_ns}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def help_versions() -> dict[str, str]:
+    """What a command's help text depends on beside lightning-dml's own code: the Python version (argparse's
+    layout) and the version of each distribution of :data:`HELP_DISTRIBUTIONS` (``"absent"`` when not installed)."""
+    from importlib import metadata
+
+    versions = {"python": "{}.{}".format(*sys.version_info[:2])}
+    for name in HELP_DISTRIBUTIONS:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "absent"
+    return versions
+
+
+def shipped_help(command: str) -> str | None:
+    """The help of ``lightning-dml <command>`` shipped in :data:`HELP_TEXTS`, or ``None`` when there is none or
+    it was written with other versions than the installed ones (:func:`help_versions`)."""
+    import json
+
+    path = HELP_TEXTS / f"{command}.txt"
+    try:
+        written = json.loads((HELP_TEXTS / "versions.json").read_text(encoding="utf-8"))
+        if written != help_versions() or command not in command_names():
+            return None
+        return path.read_text(encoding="utf-8")
+    except (OSError, ValueError):
+        return None
 
 
 class _Tee(io.TextIOBase):
@@ -225,6 +265,11 @@ def main(args: Sequence[str] | None = None) -> None:
         raise SystemExit(2)
     try:
         if len(argv) == 2 and argv[1] in ("-h", "--help"):
+            text = shipped_help(first)
+            if text is not None:
+                sys.stdout.write(text)
+                sys.stdout.flush()
+                raise SystemExit(0)
             cached_help(args, argv)
         else:
             run(args, argv)
@@ -238,10 +283,15 @@ def main(args: Sequence[str] | None = None) -> None:
 __all__ = [
     "COMMANDS",
     "GLOBAL_SWITCHES",
+    "HELP_DISTRIBUTIONS",
+    "HELP_TEXTS",
+    "HELP_WIDTH",
     "TRAINER_COMMANDS",
     "cached_help",
     "help_cache_key",
     "help_text",
+    "help_versions",
     "main",
     "run",
+    "shipped_help",
 ]
