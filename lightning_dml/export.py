@@ -158,8 +158,8 @@ class _NoInitOnMeta(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if func is torch.Tensor.normal_ or (getattr(func, "__module__", None) == "torch.nn.init" and name.endswith("_")):
+        initialiser = getattr(func, "__module__", None) == "torch.nn.init" and func.__name__.endswith("_")
+        if func is torch.Tensor.normal_ or initialiser:
             target = args[0] if args else kwargs.get("tensor")
             if isinstance(target, torch.Tensor) and target.is_meta:
                 return target
