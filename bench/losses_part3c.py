@@ -10,7 +10,8 @@ The protocol of ``bench/losses.py`` (its ``run_once`` and ``CLOCKS``) and ``benc
 cases are built here. Cases:
 
 * ``instance``: P x 4 class labels, ``gamma = 64`` on both sides.
-* ``manifold``: ``K = 50`` proxies (pml's default), item ``i``'s proxy ``label mod 50`` (pml's ``indices_tuple``).
+* ``manifold``: ``K = 50`` proxies (pml's default), item ``i``'s proxy ``label mod 50`` (pml's ``indices_tuple``);
+  pml not run above B = 512 (``PML_MAX_BATCH``).
 * ``dynamic_arcface``: ``--num-classes`` classes (default 11,318, SOP's) with 3 sub-centres, counts 1 to 50; pml 3's
   ``DynamicArcFaceLoss`` (Python >= 3.12, not installable) is pml 2.9's ``SubCenterArcFaceLoss`` with its margin set
   to the batch's margins, as pml 3 does.
@@ -37,7 +38,9 @@ import losses_part3b  # noqa: E402  (bench/losses_part3b.py: the interleaved tim
 from losses import CLOCKS  # noqa: E402  (bench/losses.py: the shared clocks)
 
 CASES = ["instance", "manifold", "dynamic_arcface", "self_supervised_ntxent", "self_supervised_contrastive"]
-PML_MAX_BATCH = {"self_supervised_ntxent": 512}
+#: pml's NT-Xent forms a (positive pairs x negative pairs) mask; pml's ManifoldLoss a K x B x (B + K) cosine tensor
+#: and its backward (over 5 GB and minutes per call at B = 2048 on this machine): not run above B = 512
+PML_MAX_BATCH = {"self_supervised_ntxent": 512, "manifold": 512}
 PROXIES = 50
 
 
