@@ -168,12 +168,16 @@ def test_sparse_centers_identical_and_nearly_identical_centres_as_pml():
     assert float(ref_value) > 0 and grad.abs().max() > 0  # the near case is not the identical one
 
 
-def test_half_precision_inputs_give_fp32_values():
+def test_half_precision_inputs_give_fp32_values_and_autocast_is_off():
     x = _random().to(torch.bfloat16)
     for name in sorted(REGULARIZERS):
         init = {"num_classes": CLASSES, "centers_per_class": PER_CLASS} if name == "sparse_centers" else {}
-        value = build_regularizer(name, **init)(x)
+        regularizer = build_regularizer(name, **init)
+        value = regularizer(x)
         assert value.dtype == torch.float32 and torch.isfinite(value), name
+        with torch.autocast(device_type="cpu", dtype=torch.bfloat16):  # a bf16-mixed training step
+            mixed = regularizer(x.float())
+        assert mixed.dtype == torch.float32 and float(mixed) == float(regularizer(x.float())), name
 
 
 # ------------------------------------------------------------------------------------------ the module's terms

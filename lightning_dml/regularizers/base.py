@@ -4,7 +4,8 @@ A regularizer maps one matrix ``x [N, D]`` (a batch of embeddings, or a loss's c
 weight vector) to a scalar penalty that needs no labels: pytorch-metric-learning's ``BaseRegularizer`` contract
 (pml 2.9 ``regularizers``). Each subclass gives the per-row penalties (:meth:`Regularizer.per_row`) and reduces them
 as pml's default reducer does (the mean; SparseCenters divides a sum by its own divisor). Values are computed in
-fp32 from fp16 / bf16 inputs and in fp64 from fp64 inputs (the exactness tests).
+fp32 from fp16 / bf16 inputs, with autocast disabled (as the losses), and in fp64 from fp64 inputs (the exactness
+tests).
 """
 
 from __future__ import annotations
@@ -77,4 +78,5 @@ class Regularizer(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if x.ndim != 2 or x.shape[0] == 0:
             raise ValueError(f"{type(self).__name__} takes a non-empty [N, D] matrix, got shape {tuple(x.shape)}")
-        return torch.mean(self.per_row(upcast(x)))
+        with torch.autocast(device_type=x.device.type, enabled=False):  # fp32 under mixed precision, as the losses
+            return torch.mean(self.per_row(upcast(x)))

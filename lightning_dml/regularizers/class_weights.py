@@ -105,8 +105,9 @@ class SparseCentersRegularizer(Regularizer):
                 f"SparseCentersRegularizer with {classes} classes of {per_class} centres takes "
                 f"[{classes * per_class}, D] weights, got shape {tuple(x.shape)}"
             )
-        unit = normalize_embeddings(x).reshape(classes, per_class, -1)
-        cos = unit @ unit.transpose(1, 2)  # [C, K, K]: each class's centres against each other
+        with torch.autocast(device_type=x.device.type, enabled=False):  # fp32 under mixed precision
+            unit = normalize_embeddings(x).reshape(classes, per_class, -1)
+            cos = unit @ unit.transpose(1, 2)  # [C, K, K]: each class's centres against each other
         upper = torch.triu(torch.ones(per_class, per_class, dtype=torch.bool, device=x.device), diagonal=1)
         pairs = torch.clamp(2.0 * cos[:, upper], max=2)
         gap = 2.0 - pairs
