@@ -52,7 +52,7 @@ from lightning_dml.losses.base import check_inputs, label_sets_error, upcast
 from lightning_dml.losses.registry import build_loss, register_loss
 from lightning_dml.models.hyperbolic import check_curvature, poincare_distance_matrix, to_poincare
 
-__all__ = ["HIERLoss", "reciprocal_triplets", "hierarchical_triplet_loss"]
+__all__ = ["HIERLoss", "reciprocal_triplets", "lowest_common_ancestors", "hierarchical_triplet_loss"]
 
 #: base losses of the paper's Table 5 / the authors' ``--loss`` choices that this library has
 BASE_LOSSES = ("proxy_anchor", "multi_similarity", "supcon")
@@ -85,28 +85,35 @@ def reciprocal_triplets(
     return anchors.repeat_interleave(per_anchor), pos.reshape(-1), neg.reshape(-1)
 
 
+def lowest_common_ancestors(to_proxies: Tensor, i: Tensor, j: Tensor, k: Tensor, block: int = 8192) -> tuple[Tensor, Tensor]:
+    """Indices of ``LCA(x_i, x_j)`` and ``LCA(x_i, x_j, x_k)`` per triplet (Eq. 2: arg-min over the proxies of the
+    largest distance, first index on ties), without gradient, ``block`` triplets at a time (``[block, M]``
+    temporaries)."""
+    d = to_proxies.detach()
+    lca_ij, lca_ijk = [], []
+    for start in range(0, i.numel(), block):
+        stop = start + block
+        max_ij = torch.maximum(d[i[start:stop]], d[j[start:stop]])
+        lca_ij.append(max_ij.argmin(dim=1))
+        lca_ijk.append(torch.maximum(d[k[start:stop]], max_ij).argmin(dim=1))
+    return torch.cat(lca_ij), torch.cat(lca_ijk)
+
+
 def hierarchical_triplet_loss(
     to_proxies: Tensor, i: Tensor, j: Tensor, k: Tensor, margin: float
 ) -> Tensor:
     """HIER's Eq. 3 averaged over the triplets ``(i, j, k)`` from the ``[N, M]`` distances of the points to the
-    proxies: LCAs by arg-min of the max distance (Eq. 2, first index on ties); triplets whose two LCAs coincide
-    count 0. No triplet: 0 (with a gradient path)."""
+    proxies: LCAs by :func:`lowest_common_ancestors`; triplets whose two LCAs coincide count 0. The gradient reaches
+    the six distances each triplet reads (not the ``[T, M]`` rows). No triplet: 0 (with a gradient path)."""
     if i.numel() == 0:
         return to_proxies.sum() * 0.0
-    di, dj, dk = to_proxies[i], to_proxies[j], to_proxies[k]
-    max_ij = torch.maximum(di, dj)
-    lca_ij = max_ij.detach().argmin(dim=1, keepdim=True)
-    lca_ijk = torch.maximum(dk, max_ij).detach().argmin(dim=1, keepdim=True)
-
-    def at(d: Tensor, index: Tensor) -> Tensor:
-        return d.gather(1, index).squeeze(1)
-
+    lca_ij, lca_ijk = lowest_common_ancestors(to_proxies, i, j, k)
     loss = (
-        torch.relu(at(di, lca_ij) - at(di, lca_ijk) + margin)
-        + torch.relu(at(dj, lca_ij) - at(dj, lca_ijk) + margin)
-        + torch.relu(at(dk, lca_ijk) - at(dk, lca_ij) + margin)
+        torch.relu(to_proxies[i, lca_ij] - to_proxies[i, lca_ijk] + margin)
+        + torch.relu(to_proxies[j, lca_ij] - to_proxies[j, lca_ijk] + margin)
+        + torch.relu(to_proxies[k, lca_ijk] - to_proxies[k, lca_ij] + margin)
     )
-    loss = torch.where((lca_ij != lca_ijk).squeeze(1), loss, torch.zeros_like(loss))
+    loss = torch.where(lca_ij != lca_ijk, loss, torch.zeros_like(loss))
     return loss.mean()
 
 
