@@ -171,37 +171,44 @@ SEARCH_MUST_NOT_IMPORT = ("torchvision", "torch._dynamo", "timm", "pytorch_light
 
 @pytest.fixture(scope="module")
 def small_index(tmp_path_factory) -> Path:
-    """A flat index of 2 class folders x 3 grey PNGs under a random-init Glyphs model (SmallConvNet width 8,
-    16-d), built by ``build_index`` (the exported model beside it)."""
+    """A flat index folder of 2 class folders x 3 grey PNGs under a random-init SmallConvNet (width 8, 16-d), with
+    its exported model, written without Lightning (``index build`` embeds the gallery through Lightning's predict
+    loop, seconds here): the model exported in the safe format, the gallery embedded by the folder's own
+    :class:`~lightning_dml.index.embed.ImageEmbedder`, the index saved with the model beside it."""
     pytest.importorskip("faiss")
+    import dataclasses
+    import shutil
+
     import numpy as np
-    import pytorch_lightning as pl
     import torch
-    import yaml
     from PIL import Image
 
-    from lightning_dml.cli import build_cli
-    from lightning_dml.index import build_index
+    from lightning_dml.export import EmbeddingModel, export_embedding_model
+    from lightning_dml.index import EmbeddingIndex
+    from lightning_dml.index.embed import ImageEmbedder
+    from lightning_dml.index.index import MODEL
+    from lightning_dml.models import LinearEmbedding, SmallConvNet
 
     root = tmp_path_factory.mktemp("startup_index")
-    overrides = ["--model.backbone.init_args.width=8", "--model.embedding_dim=16"]
     torch.manual_seed(0)
-    cli = build_cli(["--config", str(ROOT / "configs" / "glyphs.yaml"), "--trainer.logger=false",
-                     "--trainer.callbacks=[]", *overrides], run=False)
-    torch.save({"state_dict": cli.model.state_dict(), "hyper_parameters": dict(cli.model.hparams),
-                "pytorch-lightning_version": pl.__version__}, root / "m.ckpt")
-    cfg = yaml.safe_load((ROOT / "configs" / "glyphs.yaml").read_text())
-    cfg["model"]["backbone"]["init_args"]["width"] = 8
-    cfg["model"]["embedding_dim"] = 16
-    (root / "config.yaml").write_text(yaml.safe_dump(cfg))
+    backbone = SmallConvNet(in_channels=1, width=8)
+    model = EmbeddingModel(backbone, LinearEmbedding(backbone.out_features, 16)).eval()
+    spec = backbone.input_spec
+    preprocess = {"crop_size": 32, "resize_size": 36, "mode": "L"}
+    exported = export_embedding_model(model, root / "export", torch.zeros(2, 1, 32, 32), formats=("safetensors",))
     rng = np.random.default_rng(0)
+    paths, labels = [], []
     for c in range(2):
         (root / "gallery" / f"class{c}").mkdir(parents=True)
         for i in range(3):
             pixels = (rng.random((30, 34)) * 120 + 100 * c).astype("uint8")
-            Image.fromarray(pixels, "L").save(root / "gallery" / f"class{c}" / f"{i}.png")
-    build_index(root / "config.yaml", root / "m.ckpt", root / "gallery", "flat", out=root / "index",
-                accelerator="cpu", progress=False)
+            paths.append(root / "gallery" / f"class{c}" / f"{i}.png")
+            labels.append(f"class{c}")
+            Image.fromarray(pixels, "L").save(paths[-1])
+    embeddings = ImageEmbedder(exported["safetensors"], spec, preprocess)(paths)
+    manifest = {"input_spec": dataclasses.asdict(spec), "preprocess": preprocess, "model": MODEL}
+    index = EmbeddingIndex.build(embeddings, {"paths": [str(p) for p in paths], "labels": labels}, manifest=manifest)
+    index.save(root / "index", add_files=lambda staged: shutil.copy(exported["safetensors"], staged / MODEL))
     return root
 
 
