@@ -229,7 +229,7 @@ DETERMINISTIC = {
 @pytest.mark.parametrize("name", sorted(DETERMINISTIC))
 def test_miner_equals_pml_as_sets(name, kind):
     if name == "hdc" and kind == "ties":
-        pytest.skip("HDC's cut among exactly tied distances is torch.topk's choice (docs/miners.md)")
+        pytest.skip("pml's cut among exactly tied distances is torch.topk's choice: test_hdc_cut_among_ties")
     M = _pml()
     ours_f, theirs_f = DETERMINISTIC[name]
     for seed in (0, 1):
@@ -369,3 +369,20 @@ def test_distance_weighted_negatives_follow_pmls_distribution(monkeypatch):
     assert (y[a] != y[n]).all() and (ours[a, n] > 0).all()
     again = DistanceWeightedMiner(seed=3)(z, y)
     assert torch.equal(again[2], n)
+
+
+@pytest.mark.parametrize("percentage", [0.3, 0.5, 1.0])
+def test_hdc_cut_among_ties_keeps_the_first_pairs(percentage):
+    """HDC on exact ties: the k hardest pairs by a stable sort (the tied pairs first in row-major order)."""
+    z, y = miner_batch("ties", 2)
+    a1, p, a2, n = HDCMiner(percentage)(z, y)
+    d = torch.sqrt((2 - 2 * (z @ z.T)).clamp(min=1e-12))
+    pos = (y[:, None] == y[None, :]) & ~torch.eye(len(y), dtype=torch.bool)
+    neg = y[:, None] != y[None, :]
+    for mask, got, largest in ((pos, (a1, p), True), (neg, (a2, n), False)):
+        rows, cols = mask.nonzero(as_tuple=True)
+        values = d[rows, cols]
+        assert len(values.unique()) < len(values)  # there are ties
+        k = math.ceil(percentage * len(values))
+        order = torch.sort(values, descending=largest, stable=True).indices[:k]
+        assert _as_set(got) == _as_set((rows[order], cols[order]))

@@ -10,14 +10,31 @@ from torch import Tensor
 
 from lightning_dml.miners.base import Miner, MiningBatch
 
-__all__ = ["HDCMiner"]
+__all__ = ["HDCMiner", "hardest"]
+
+
+def hardest(values: Tensor, k: int, largest: bool) -> Tensor:
+    """Indices (increasing) of the ``k`` largest (smallest) of ``values [T]``; among values equal to the ``k``-th
+    the lowest indices are kept. One ``torch.kthvalue`` selection (linear time; ``torch.topk`` of half the values is
+    about 4x slower on the CPU) and no host read."""
+    n = values.numel()
+    if k <= 0:
+        return torch.zeros(0, dtype=torch.long, device=values.device)
+    if k >= n:
+        return torch.arange(n, device=values.device)
+    cut = torch.kthvalue(values, n - k + 1 if largest else k).values
+    beyond = values > cut if largest else values < cut
+    tied = values == cut
+    need = k - beyond.sum()  # >= 1 tied values complete the k, in index order
+    return (beyond | (tied & (tied.cumsum(0) <= need))).nonzero(as_tuple=True)[0]
 
 
 class HDCMiner(Miner):
-    """Pairs ``(a1, p, a2, n)``: the ``ceil(filter_percentage x #pairs)`` farthest positive pairs and the as many
-    closest negative pairs of the whole batch (``torch.topk``; among exactly tied distances at the cut the pair
-    kept is the one ``topk`` returns, which pml shares but does not specify). Batch-wide: under
-    ``gather_distributed`` the whole gathered batch is mined."""
+    """Pairs ``(a1, p, a2, n)``: the ``ceil(filter_percentage x #pos)`` farthest of the batch's positive pairs and
+    the ``ceil(filter_percentage x #neg)`` closest of its negative pairs (:func:`hardest`: a selection with
+    ``torch.kthvalue``, not a sort; among exactly tied distances at the cut the pairs first in row-major order are
+    kept, where pml's ``torch.topk`` leaves it unspecified). Batch-wide: under ``gather_distributed`` the whole
+    gathered batch is mined."""
 
     output = "pairs"
     per_anchor = False
@@ -33,8 +50,7 @@ class HDCMiner(Miner):
 
     def _top(self, dist: Tensor, mask: Tensor, largest: bool) -> tuple[Tensor, Tensor]:
         a, o = mask.nonzero(as_tuple=True)
-        k = math.ceil(self.filter_percentage * a.numel())
-        idx = torch.topk(dist[a, o], k=k, largest=largest).indices
+        idx = hardest(dist[a, o], math.ceil(self.filter_percentage * a.numel()), largest)
         return a[idx], o[idx]
 
     def mine(self, b: MiningBatch) -> tuple[Tensor, ...]:
