@@ -6,8 +6,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from lightning_dml.losses.base import PairLoss, batch_normaliser, distance_from_similarity, masked_lse
+from lightning_dml.losses.base import PairLoss, batch_normaliser, check_inputs, distance_from_similarity, masked_lse
+from lightning_dml.losses.base import normalize_embeddings, similarity_matrix, upcast
+from lightning_dml.losses.chunking import anchor_blocks, anchor_chunked_loss
 from lightning_dml.losses.registry import register_loss
+from lightning_dml.miners import label_masks
 
 __all__ = ["LiftedStructureLoss"]
 
@@ -34,8 +37,11 @@ class LiftedStructureLoss(PairLoss):
         margin: ``m`` of the first three variants (original paper 1.0).
         variant: one of ``"original"``, ``"gpw"``, ``"generalized"``, ``"star"``.
         alpha, beta: scales of ``"star"`` (MS Table 2: 2 and 50).
-        anchor_chunk_size: as in the other pair losses (:mod:`lightning_dml.losses.chunking`); ``"generalized"``
-            and ``"star"`` only (the other two couple the rows of both items of a pair).
+        anchor_chunk_size: as in the other pair losses (:mod:`lightning_dml.losses.chunking`). ``"original"`` and
+            ``"gpw"`` couple the rows of both items of a pair through ``a_j``: a chunked call first computes every
+            item's ``a`` and ``G_j = dL/da_j`` block by block without a graph; each block then scores its pairs
+            with ``a`` fixed and adds ``sum_i G_i (a_i - a_i.detach())`` over its own rows (value 0), whose gradient
+            is the chain-rule term through ``a``: the unchunked value and gradients, at two more loss passes.
 
     ``"original"`` and ``"gpw"`` need the negatives of the positive item ``j`` too, so they cannot score against
     reference items (ValueError); ``"generalized"`` and ``"star"`` can.
@@ -65,11 +71,85 @@ class LiftedStructureLoss(PairLoss):
         self.supports_ref = variant in ("generalized", "star")
         # original / gpw couple anchor i's and j's negative sets in one pair term: the global batch is gathered
         self.gather_mode = "references" if self.supports_ref else "global_batch"
-        self.supports_anchor_chunks = self.supports_ref  # original / gpw couple two anchors' rows
+        self.supports_anchor_chunks = True  # original / gpw: their per-item a_j computed over all blocks first
         self.set_anchor_chunk_size(anchor_chunk_size)
 
     def extra_repr(self) -> str:
         return f"margin={self.margin}, variant={self.variant!r}, alpha={self.alpha}, beta={self.beta}"
+
+    def forward(
+        self,
+        embeddings: Tensor,
+        labels: Tensor,
+        ref_embeddings: Tensor | None = None,
+        ref_labels: Tensor | None = None,
+    ) -> Tensor:
+        chunk = self.anchor_chunk_size
+        if self.supports_ref or chunk is None or embeddings.shape[0] <= chunk or ref_embeddings is not None:
+            return super().forward(embeddings, labels, ref_embeddings, ref_labels)
+        check_inputs(embeddings, labels, where=type(self).__name__, label_sets=True)
+        with torch.autocast(device_type=embeddings.device.type, enabled=False):
+            x = normalize_embeddings(embeddings)
+            a, has_neg, grad_a = self._item_terms(x, labels, chunk)
+            # each block's gallery comes reordered: the items' indices travel with their labels
+            index = torch.arange(x.shape[0], device=x.device)
+            keyed = torch.cat([index[:, None], labels.reshape(x.shape[0], -1)], dim=1)
+
+            def block(anchors: Tensor, keys: Tensor, gallery: Tensor, gallery_keys: Tensor) -> Tensor:
+                return self._pair_block(anchors, keys, gallery, gallery_keys, a, has_neg, grad_a, labels.ndim)
+
+            loss = anchor_chunked_loss(block, x, keyed, None, keyed, chunk, [], batch_normaliser)
+        return upcast(loss)
+
+    def _pair_terms(self, sim: Tensor, pos: Tensor, ai: Tensor, aj: Tensor, hi: Tensor, hj: Tensor) -> Tensor:
+        """Sum of the ``"original"`` / ``"gpw"`` pair terms of ``sim`` given the items' ``a`` and ``has_neg``."""
+        dist = distance_from_similarity(sim)
+        if self.variant == "gpw":
+            ok = pos & hi & hj
+            return torch.relu(torch.where(ok, dist + ai + aj, 0.0)).sum()
+        both = torch.logaddexp(torch.where(hi, ai, -1e30), torch.where(hj, aj, -1e30))
+        hinge = torch.relu(torch.where(pos & (hi | hj), both + dist, 0.0))
+        return (hinge * hinge).sum() / 2
+
+    def _rows(self, anchors: Tensor, gallery: Tensor, labels: Tensor, gallery_labels: Tensor):
+        """Similarities, masks and ``a_i`` (``-inf`` without negatives) of the anchors' rows."""
+        sim = similarity_matrix(anchors, gallery)
+        pos, neg = label_masks(labels, gallery_labels)
+        has_neg = neg.any(1)
+        a = torch.where(has_neg, masked_lse(self.margin - distance_from_similarity(sim), neg), 0.0)
+        return sim, pos, a, has_neg
+
+    def _item_terms(self, x: Tensor, labels: Tensor, chunk: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Every item's ``a`` and ``has_neg`` and ``G = dL/da`` (no graph), one block of rows at a time."""
+        spans = anchor_blocks(x.shape[0], x.shape[0], chunk, x.device)
+        with torch.no_grad():
+            rows = [self._rows(x[s:e], x[order], labels[s:e], labels[order])[2:] for s, e, order in spans]
+            a, has_neg = torch.cat([r[0] for r in rows]), torch.cat([r[1] for r in rows])
+        count = torch.zeros((), dtype=torch.long, device=x.device)
+        grad_a = torch.zeros_like(a)
+        with torch.enable_grad():
+            for s, e, order in spans:
+                leaf = a.detach().requires_grad_(True)
+                with torch.no_grad():
+                    sim, pos, _, _ = self._rows(x[s:e], x[order], labels[s:e], labels[order])
+                count += pos.sum()
+                terms = self._pair_terms(sim, pos, leaf[s:e, None], leaf[order][None, :], has_neg[s:e, None],
+                                         has_neg[order][None, :])
+                if terms.requires_grad:
+                    grad_a += torch.autograd.grad(terms, leaf)[0]
+        return a, has_neg, grad_a / count.clamp(min=1).to(a.dtype)
+
+    def _pair_block(self, anchors: Tensor, keys: Tensor, gallery: Tensor, gallery_keys: Tensor, a: Tensor,
+                    has_neg: Tensor, grad_a: Tensor, label_ndim: int) -> Tensor:
+        """One block of a chunked ``"original"`` / ``"gpw"`` call: its pairs with every ``a`` fixed, plus the
+        chain-rule term through its own rows' ``a``."""
+        i, j = keys[:, 0], gallery_keys[:, 0]
+        labels, gallery_labels = keys[:, 1:], gallery_keys[:, 1:]
+        if label_ndim == 1:
+            labels, gallery_labels = labels[:, 0], gallery_labels[:, 0]
+        sim, pos, a_rows, _ = self._rows(anchors, gallery, labels, gallery_labels)
+        terms = self._pair_terms(sim, pos, a[i][:, None], a[j][None, :], has_neg[i][:, None], has_neg[j][None, :])
+        return terms / batch_normaliser(pos.sum(), sim) + (grad_a[i] * (a_rows - a_rows.detach())).sum()
 
     def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
         B = sim.shape[0]

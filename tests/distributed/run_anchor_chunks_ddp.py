@@ -38,6 +38,8 @@ VARIANTS = {
     "fastap": ("fastap", {}),
     "lifted_structure_generalized": ("lifted_structure", {"variant": "generalized"}),
     "tuplet_margin_all": ("tuplet_margin", {"negatives": "all", "scale": 8.0, "variance_weight": 20.0}),
+    "lifted_structure_original": ("lifted_structure", {"variant": "original"}),
+    "lifted_structure_gpw": ("lifted_structure", {"variant": "gpw"}),
 }
 
 
