@@ -10,8 +10,8 @@ For every (miner, batch) ours and pml's run interleaved (ours, pml, ours, pml, .
 P x 4 labels, ``--repeats`` times each after one warm-up; the medians are reported with their ratio (ours / pml; < 1
 means faster). A miner has no backward: one call is the time. Before timing, the tuples of the deterministic miners
 are checked to be the same number (``tuples``: ours = pml's), the random ones' counts are printed. pml enumerates
-every triplet through a ``B x B x B`` mask for ``triplet_margin`` and ``angular`` (``get_all_triplets_indices``): not run
-above ``PML_MAX_BATCH`` (8.6e9 bytes at B = 2048); ours gathers each anchor's positives (``[B, K, N]``).
+every triplet through a ``B x B x B`` mask for ``triplet_margin`` and ``angular`` (``get_all_triplets_indices``): not
+run above ``PML_MAX_BATCH`` (8.6e9 bytes at B = 2048); ours gathers each anchor's positives (``[B, K, N]``).
 """
 
 from __future__ import annotations

@@ -205,8 +205,12 @@ def _same_tuples(ours, theirs):
 DETERMINISTIC = {
     "batch_hard": (lambda: BatchHardMiner(), lambda M: M.BatchHardMiner()),
     "batch_easy_hard": (lambda: BatchEasyHardMiner(), lambda M: M.BatchEasyHardMiner()),
-    "beh_hard_semihard": (lambda: BatchEasyHardMiner("hard", "semihard"), lambda M: M.BatchEasyHardMiner("hard", "semihard")),
-    "beh_semihard_easy": (lambda: BatchEasyHardMiner("semihard", "easy"), lambda M: M.BatchEasyHardMiner("semihard", "easy")),
+    "beh_hard_semihard": (
+        lambda: BatchEasyHardMiner("hard", "semihard"), lambda M: M.BatchEasyHardMiner("hard", "semihard")
+    ),
+    "beh_semihard_easy": (
+        lambda: BatchEasyHardMiner("semihard", "easy"), lambda M: M.BatchEasyHardMiner("semihard", "easy")
+    ),
     "beh_all_hard": (lambda: BatchEasyHardMiner("all", "hard"), lambda M: M.BatchEasyHardMiner("all", "hard")),
     "beh_easy_all_ranges": (
         lambda: BatchEasyHardMiner("easy", "all", allowed_pos_range=(0.3, 1.2)),
@@ -365,7 +369,8 @@ def test_distance_weighted_negatives_follow_pmls_distribution(monkeypatch):
     ours = distance_weighted_probabilities(d, y, dim=16, cutoff=0.5, nonzero_loss_cutoff=1.4)
     torch.testing.assert_close(ours[defined], w[defined], rtol=1e-9, atol=1e-12)
     a, p, n = DistanceWeightedMiner(seed=3)(z, y)
-    assert _as_set((a, p)) == sorted(map(tuple, ((y[:, None] == y[None, :]) & ~torch.eye(len(y), dtype=torch.bool)).nonzero().tolist()))
+    positives = (y[:, None] == y[None, :]) & ~torch.eye(len(y), dtype=torch.bool)
+    assert _as_set((a, p)) == sorted(map(tuple, positives.nonzero().tolist()))
     assert (y[a] != y[n]).all() and (ours[a, n] > 0).all()
     again = DistanceWeightedMiner(seed=3)(z, y)
     assert torch.equal(again[2], n)

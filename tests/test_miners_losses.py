@@ -10,7 +10,7 @@ per anchor); MultiSimilarity and Circle take masks in pml too.
 import pytest
 import torch
 
-from lightning_dml.losses import CircleLoss, ContrastiveLoss, LiftedStructureLoss, MultiSimilarityLoss, NTXentLoss
+from lightning_dml.losses import BinomialDevianceLoss, CircleLoss, ContrastiveLoss, MultiSimilarityLoss, NTXentLoss
 from lightning_dml.losses import TripletLoss
 from lightning_dml.miners import (
     BatchHardMiner,
@@ -96,8 +96,8 @@ def _as_set(t):
 def test_indices_tuple_refusals_are_one_line():
     z, y = miner_batch("random", 4)
     t = PairMarginMiner()(z, y)
-    with pytest.raises(ValueError, match=r"LiftedStructureLoss does not take indices_tuple"):
-        LiftedStructureLoss()(z, y, indices_tuple=t)
+    with pytest.raises(ValueError, match=r"BinomialDevianceLoss does not take indices_tuple"):
+        BinomialDevianceLoss()(z, y, indices_tuple=t)
     with pytest.raises(ValueError, match=r"ContrastiveLoss: indices_tuple lists \(\d+, \d+\) as a positive pair"):
         ContrastiveLoss()(z, y, indices_tuple=(t[2], t[3], t[2], t[3]))  # negatives as positives
     with pytest.raises(ValueError, match=r"as a positive pair"):

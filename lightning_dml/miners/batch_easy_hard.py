@@ -16,7 +16,9 @@ __all__ = ["BatchEasyHardMiner", "BatchHardMiner", "STRATEGIES"]
 STRATEGIES = ("hard", "semihard", "easy", "all")
 
 
-def _pick(dist: Tensor, mask: Tensor, largest: bool, allowed: tuple[float, float] | None) -> tuple[Tensor, Tensor, Tensor]:
+def _pick(
+    dist: Tensor, mask: Tensor, largest: bool, allowed: tuple[float, float] | None
+) -> tuple[Tensor, Tensor, Tensor]:
     """Per row, the largest (smallest) ``dist`` among ``mask`` (and within ``allowed``): ``(value, column, has)``;
     ties go to the lowest column, as ``torch.max`` / ``torch.min`` along a dimension."""
     if allowed is not None:

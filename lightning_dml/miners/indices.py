@@ -34,7 +34,8 @@ def check_indices_tuple(
     if not isinstance(indices_tuple, (tuple, list)) or len(indices_tuple) not in (3, 4):
         raise ValueError(
             f"{prefix}indices_tuple must be pairs (a1, p, a2, n) or triplets (a, p, n) of index tensors, got "
-            f"{type(indices_tuple).__name__}" + (f" of length {len(indices_tuple)}" if isinstance(indices_tuple, (tuple, list)) else "")
+            f"{type(indices_tuple).__name__}"
+            + (f" of length {len(indices_tuple)}" if isinstance(indices_tuple, (tuple, list)) else "")
         )
     names = ("a1", "p", "a2", "n") if len(indices_tuple) == 4 else ("a", "p", "n")
     for name, t in zip(names, indices_tuple):
@@ -63,7 +64,8 @@ def check_indices_tuple(
         lo_a, lo_o, hi_a, hi_o = torch.cat([lows, highs]).tolist()
         if lo_a < 0 or hi_a >= num_anchors:
             raise ValueError(
-                f"{prefix}indices_tuple's anchors must be batch rows 0..{num_anchors - 1}, found {lo_a if lo_a < 0 else hi_a}"
+                f"{prefix}indices_tuple's anchors must be batch rows 0..{num_anchors - 1}, "
+                f"found {lo_a if lo_a < 0 else hi_a}"
             )
         if lo_o < 0 or hi_o >= num_gallery:
             raise ValueError(

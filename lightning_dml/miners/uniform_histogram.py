@@ -17,7 +17,8 @@ def uniform_histogram_draw(
 ) -> Tensor:
     """Indices into ``values [T]``: ``per_bin`` draws, uniform with replacement, from each non-empty bin of
     ``num_bins`` equal bins from ``min(values)`` to ``max(values)`` (bin ``i`` holds ``e_i <= v < e_{i+1}``, the last
-    one ``v <= max``: the edges of ``torch.linspace`` as pml's; ``bucketize`` on the inner edges). One sort and one draw for all bins, no loop."""
+    one ``v <= max``: the edges of ``torch.linspace`` as pml's; ``bucketize`` on the inner edges). One sort and one
+    draw for all bins, no loop."""
     if values.numel() == 0:
         return torch.zeros(0, dtype=torch.long, device=values.device)
     edges = torch.linspace(values.min(), values.max(), num_bins + 1, device=values.device, dtype=values.dtype)
@@ -42,7 +43,9 @@ class UniformHistogramMiner(Miner):
     per_anchor = False
     random = True
 
-    def __init__(self, num_bins: int = 100, pos_per_bin: int = 10, neg_per_bin: int = 10, seed: int | None = None):
+    def __init__(
+        self, num_bins: int = 100, pos_per_bin: int = 10, neg_per_bin: int = 10, seed: int | None = None
+    ) -> None:
         super().__init__()
         for name, value in (("num_bins", num_bins), ("pos_per_bin", pos_per_bin), ("neg_per_bin", neg_per_bin)):
             if int(value) != value or value < 1:

@@ -36,7 +36,9 @@ def _cases():
     return {
         "triplet+batch_hard": (lambda: TripletLoss(margin=0.2), lambda: BatchHardMiner()),
         "contrastive+batch_easy_hard": (lambda: ContrastiveLoss(), lambda: BatchEasyHardMiner("easy", "hard")),
-        "triplet+triplet_margin_semihard": (lambda: TripletLoss(margin=0.2), lambda: TripletMarginMiner(0.3, "semihard")),
+        "triplet+triplet_margin_semihard": (
+            lambda: TripletLoss(margin=0.2), lambda: TripletMarginMiner(0.3, "semihard")
+        ),
         "contrastive+pair_margin": (lambda: ContrastiveLoss(neg_margin=0.8), lambda: PairMarginMiner(0.4, 0.7)),
         "ms+multi_similarity": (lambda: MultiSimilarityLoss(mining=False), lambda: MultiSimilarityMiner()),
         "circle+angular": (lambda: CircleLoss(m=0.4, gamma=80), lambda: AngularMiner(30)),
@@ -82,7 +84,9 @@ def _worker(rank: int, world: int, store_path: str) -> None:
             grad, xg.grad[local], rtol=1e-7, atol=1e-10
         )
         err = float((grad - xg.grad[local]).abs().max())
-        lines.append(f"{label} [{mined.gather_mode}]: {float(mean):.10f} vs {float(want.detach()):.10f}, max|d grad| {err:.1e}")
+        lines.append(
+            f"{label} [{mined.gather_mode}]: {float(mean):.10f} vs {float(want.detach()):.10f}, max|d grad| {err:.1e}"
+        )
         if not ok or float(xg.grad.abs().max()) == 0.0:
             failures.append(lines[-1])
         # control: the miner on this process's batch alone (no gather) must not match
