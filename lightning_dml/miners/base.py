@@ -90,6 +90,17 @@ class Miner(nn.Module):
         """The indices tuple of ``batch`` (no gradient is recorded)."""
         raise NotImplementedError
 
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """A random miner's generator on ``device``, seeded once with its ``seed`` (``None`` without a seed: torch's
+        global generator)."""
+        seed = getattr(self, "seed", None)
+        if seed is None:
+            return None
+        generators = self.__dict__.setdefault("_generators", {})
+        if device not in generators:
+            generators[device] = torch.Generator(device=device).manual_seed(int(seed))
+        return generators[device]
+
 
 def mining_batch(
     embeddings: Tensor,

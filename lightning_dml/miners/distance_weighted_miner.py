@@ -3,7 +3,6 @@ Sec. 4, Eqs. 3-4; pml's ``DistanceWeightedMiner``)."""
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from lightning_dml.miners.base import Miner, MiningBatch
@@ -31,16 +30,12 @@ class DistanceWeightedMiner(Miner):
         if not 0.0 <= float(cutoff) < float(nonzero_loss_cutoff):
             raise ValueError(f"need 0 <= cutoff < nonzero_loss_cutoff, got {cutoff} and {nonzero_loss_cutoff}")
         self.cutoff, self.nonzero_loss_cutoff, self.seed = float(cutoff), float(nonzero_loss_cutoff), seed
-        self._generators: dict[torch.device, torch.Generator] = {}
 
     def extra_repr(self) -> str:
         return f"cutoff={self.cutoff}, nonzero_loss_cutoff={self.nonzero_loss_cutoff}"
 
     def mine(self, b: MiningBatch) -> tuple[Tensor, ...]:
-        g = None
-        if self.seed is not None:
-            dev = b.dist.device
-            g = self._generators.setdefault(dev, torch.Generator(device=dev).manual_seed(int(self.seed)))
+        g = self.generator(b.dist.device)
         return distance_weighted_sampling(
             b.dist, b.labels, b.gallery_labels, dim=b.anchors.shape[1], cutoff=self.cutoff,
             nonzero_loss_cutoff=self.nonzero_loss_cutoff, generator=g,

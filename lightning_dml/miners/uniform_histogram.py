@@ -52,18 +52,9 @@ class UniformHistogramMiner(Miner):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         self.num_bins, self.pos_per_bin, self.neg_per_bin = int(num_bins), int(pos_per_bin), int(neg_per_bin)
         self.seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
 
     def extra_repr(self) -> str:
         return f"num_bins={self.num_bins}, pos_per_bin={self.pos_per_bin}, neg_per_bin={self.neg_per_bin}"
-
-    def generator(self, device: torch.device) -> torch.Generator | None:
-        """The seeded generator of ``device`` (``None`` without ``seed``: torch's global one)."""
-        if self.seed is None:
-            return None
-        if device not in self._generators:
-            self._generators[device] = torch.Generator(device=device).manual_seed(int(self.seed))
-        return self._generators[device]
 
     def mine(self, b: MiningBatch) -> tuple[Tensor, ...]:
         g = self.generator(b.dist.device)
