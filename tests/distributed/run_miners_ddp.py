@@ -7,7 +7,8 @@ the gathered batch), batch-wide and random ones (HDC, uniform histogram, distanc
 Run directly (``python tests/distributed/run_miners_ddp.py WORLD``); exits 0 and prints ``MINERS-OK`` on success.
 Every process holds the whole global batch (trained-like clustered fp64 embeddings) and compares with the
 single-process reference itself: the mean of the processes' values, and each process's embedding gradient divided
-by ``W`` against the global gradient's rows. Control (must NOT match): each process mining its own batch alone.
+by ``W`` against the global gradient's rows; once more with label sets. Control (must NOT match): each process mining
+its own batch alone.
 """
 
 from __future__ import annotations
@@ -96,6 +97,27 @@ def _worker(rank: int, world: int, store_path: str) -> None:
         dist.all_reduce(same)
         if float(same) == world:
             failures.append(f"control {label}: the local batch alone matches (no power)")
+    # label sets (a pair positive when the sets intersect), each process's block packed to its own width
+    from tests.distributed.run_gather_loss import _label_sets, _packed
+
+    from lightning_dml.losses import ContrastiveLoss
+    from lightning_dml.miners import PairMarginMiner
+
+    sets = _label_sets(y)
+    xg = x.clone().requires_grad_(True)
+    want = MinedLoss(ContrastiveLoss(), PairMarginMiner(0.4, 0.7))(xg, sets)
+    want.backward()
+    emb = x[local].clone().requires_grad_(True)
+    value = gathered_loss(MinedLoss(ContrastiveLoss(), PairMarginMiner(0.4, 0.7)), emb, _packed(sets[local]))
+    value.backward()
+    mean = value.detach().clone()
+    dist.all_reduce(mean)
+    ok = torch.allclose(mean / world, want.detach(), rtol=1e-9, atol=1e-12) and torch.allclose(
+        emb.grad / world, xg.grad[local], rtol=1e-7, atol=1e-10
+    )
+    lines.append(f"contrastive+pair_margin, label sets: {float(mean / world):.10f} vs {float(want.detach()):.10f}")
+    if not ok:
+        failures.append(lines[-1])
     if rank == 0:
         for line in lines:
             print(f"rank 0: {line}", flush=True)
