@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lightning_dml.losses import BinomialDevianceLoss, CircleLoss, ContrastiveLoss, MultiSimilarityLoss, NTXentLoss
-from lightning_dml.losses import TripletLoss
+from lightning_dml.losses import SupConLoss, TripletLoss
 from lightning_dml.miners import (
     BatchHardMiner,
     HDCMiner,
@@ -41,6 +41,8 @@ LOSSES = {  # ours, pml's, the miners whose tuples they are compared on
     "circle": (lambda: CircleLoss(m=0.4, gamma=80), lambda: pml_losses.CircleLoss(m=0.4, gamma=80),
                ("multi_similarity", "pair_margin", "batch_hard")),
     "ntxent": (lambda: NTXentLoss(), lambda: pml_losses.NTXentLoss(temperature=0.1),
+               ("multi_similarity", "pair_margin", "batch_hard")),
+    "supcon": (lambda: SupConLoss(), lambda: pml_losses.SupConLoss(temperature=0.1),
                ("multi_similarity", "pair_margin", "batch_hard")),
 }
 CASES = [(loss, miner) for loss, (_, _, miners) in LOSSES.items() for miner in miners]

@@ -488,7 +488,7 @@ class PairLoss(nn.Module):
             sim_an = (anchors[a] * g[n]).sum(dim=1).clamp(-1.0, 1.0)
             return self.triplet_tuple_loss(sim_ap, sim_an)
         pos, neg = restrict_masks(tuples, pos, neg, where=name)
-        if self.closed_form and self._has_closed_form():
+        if self.closed_form and type(self).pair_loss_and_grad is not PairLoss.pair_loss_and_grad:
             return ClosedFormPairFunction.apply(
                 anchors, gallery, lambda raw: self.pair_loss_and_grad(raw.clamp(-1.0, 1.0), pos, neg)
             )

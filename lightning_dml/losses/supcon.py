@@ -53,6 +53,9 @@ class SupConLoss(TemperaturePairLoss):
     supports_anchor_chunks = True
     #: label sets ([B, L], positive = the sets intersect): the loss only asks which pairs are positive
     supports_label_sets = True
+    #: indices_tuple (a miner's output, lightning_dml.miners.indices): P(i) and A(i) restricted to the tuple's pairs
+    #: (pml's SupConLoss); computed by :meth:`pair_loss` through autograd
+    supports_indices_tuple = True
 
     def __init__(
         self, temperature: float = 0.1, anchor_chunk_size: int | None = None, reducer: Reducer | str | None = None
