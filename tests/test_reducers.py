@@ -116,6 +116,8 @@ def test_per_anchor_counts_a_repeated_pair_twice():
     anchors, others = torch.tensor([0, 0, 1]), torch.tensor([1, 1, 0])
     # anchor 0: (1 + 3) / 2, anchor 1: 5, anchor 2: none (0); mean over the 3 anchors
     assert float(PerAnchorReducer()(losses, "pos_pair", (anchors, others), batch_size=3)) == pytest.approx(7 / 3)
+    # without batch_size or labels: the anchors 0 .. largest anchor (here 0 and 1)
+    assert float(PerAnchorReducer()(losses, "pos_pair", (anchors, others))) == pytest.approx(7 / 2)
 
 
 @pytest.mark.parametrize(
@@ -123,6 +125,7 @@ def test_per_anchor_counts_a_repeated_pair_twice():
     [
         (lambda: ThresholdReducer(), "needs low or high"),
         (lambda: ThresholdReducer(low=1, high=0.5), "needs low < high"),
+        (lambda: ThresholdReducer(low=0.5, high=0.5), "needs low < high"),
         (lambda: ClassWeightedReducer([]), "non-empty 1-D list of finite weights"),
         (lambda: build_reducer("avg_nonzero"), r"unknown reducer 'avg_nonzero'.*Did you mean 'avg_non_zero'"),
     ],

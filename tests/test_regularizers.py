@@ -201,6 +201,7 @@ def _proxy_anchor() -> ProxyAnchorLoss:
         ([{"regularizer": "spherical_embedding", "init_args": {"momentum": 0.5}}], "per_level",
          r"running statistic.*per_level"),
         ([{"regularizer": "sparse_centers"}], "proxy_anchor", r"at least 2 centres per class"),
+        ([{"regularizer": "regular_face"}], "sharded", r"sharded=True: each process holds only its block"),
         ("lp", None, "must be a list of terms"),
         ([{"regularizer": LpRegularizer()}], None, r"must be a registry name .*got LpRegularizer: the terms are saved"),
     ],
@@ -209,9 +210,49 @@ def test_a_bad_term_is_one_user_error_naming_it(specs, loss, message):
     with pytest.raises(RegularizerSpecError, match=message) as error:
         if loss == "per_level":
             RegularizationTerms(specs, MultiSimilarityLoss(), per_level=True)
+        elif loss == "sharded":
+            RegularizationTerms(specs, ProxyAnchorLoss(num_classes=6, embedding_dim=8, sharded=True))
         else:
             RegularizationTerms(specs, _proxy_anchor() if loss == "proxy_anchor" else MultiSimilarityLoss())
     assert isinstance(error.value, UserInputError)
+
+
+@pytest.mark.parametrize(
+    ("name", "init", "message"),
+    [
+        ("lp", {"p": 0}, "p must be > 0"),
+        ("lp", {"p": True}, "p must be > 0"),
+        ("center_invariant", {"p": -1}, "p must be > 0"),
+        ("spherical_embedding", {"momentum": 0}, r"momentum must be in \(0, 1\]"),
+        ("spherical_embedding", {"momentum": -0.5}, r"momentum must be in \(0, 1\]"),
+        ("spherical_embedding", {"momentum": 1.5}, r"momentum must be in \(0, 1\]"),
+        ("sparse_centers", {"num_classes": 0}, "num_classes must be an integer >= 1"),
+        ("sparse_centers", {"centers_per_class": 1}, "centers_per_class must be an integer >= 2"),
+    ],
+)
+def test_bad_settings_are_named(name, init, message):
+    with pytest.raises(ValueError, match=message):
+        build_regularizer(name, **init)
+
+
+@pytest.mark.parametrize("p", [1, 3])
+def test_other_norm_orders_equal_pml(p):
+    from pytorch_metric_learning.distances import LpDistance
+
+    x = _clustered()
+    value, grad = _value_and_grad(CenterInvariantRegularizer(p=p), x)
+    pml = pml_regularizers.CenterInvariantRegularizer(distance=LpDistance(p=p, power=1, normalize_embeddings=False))
+    ref_value, ref_grad = _value_and_grad(pml, x)
+    torch.testing.assert_close(value, ref_value, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-13)
+    lp_value, _ = _value_and_grad(LpRegularizer(p=p, power=2), x)
+    torch.testing.assert_close(lp_value, (x.norm(p=p, dim=1) ** 2).mean())
+
+
+def test_repeated_regularizers_get_the_next_free_name():
+    terms = RegularizationTerms([{"regularizer": "lp"}, {"regularizer": "zero_mean", "name": "lp_2"},
+                                 {"regularizer": "lp", "init_args": {"p": 1}}], MultiSimilarityLoss())
+    assert terms.names == ["lp", "lp_2", "lp_3"]
 
 
 def test_terms_are_weighted_named_and_read_the_loss_sizes():
