@@ -2,16 +2,17 @@
 losses given the same tuples: values and gradients in fp64 on random and clustered batches; pml's positional call
 ``loss(embeddings, labels, miner(embeddings, labels))``; refusals; ``DMLModule(miner=...)`` and ``--model.miner``.
 
-Conventions: pml's ContrastiveLoss scores the listed pairs one by one (a pair listed twice counts twice) where ours
-takes the tuple as masks, so it is compared on tuples without repeated pairs (pair miners, BatchHard's one triplet
-per anchor); MultiSimilarity and Circle take masks in pml too.
+Conventions: pml's ContrastiveLoss, IntraPairVarianceLoss and ThresholdConsistentMarginLoss score the listed pairs
+one by one (a pair listed twice counts twice) where ours takes the tuple as masks, so they are compared on tuples
+without repeated pairs (pair miners, BatchHard's one triplet per anchor); MultiSimilarity, Circle, NT-Xent and
+SupCon take masks in pml too.
 """
 
 import pytest
 import torch
 
 from lightning_dml.losses import BinomialDevianceLoss, CircleLoss, ContrastiveLoss, MultiSimilarityLoss, NTXentLoss
-from lightning_dml.losses import SupConLoss, TripletLoss
+from lightning_dml.losses import SupConLoss, TripletLoss, build_loss
 from lightning_dml.miners import (
     BatchHardMiner,
     HDCMiner,
@@ -44,6 +45,11 @@ LOSSES = {  # ours, pml's, the miners whose tuples they are compared on
                ("multi_similarity", "pair_margin", "batch_hard")),
     "supcon": (lambda: SupConLoss(), lambda: pml_losses.SupConLoss(temperature=0.1),
                ("multi_similarity", "pair_margin", "batch_hard")),
+    "intra_pair_variance": (lambda: build_loss("intra_pair_variance"), lambda: pml_losses.IntraPairVarianceLoss(),
+                            ("multi_similarity", "pair_margin", "batch_hard")),
+    "threshold_consistent_margin": (lambda: build_loss("threshold_consistent_margin"),
+                                    lambda: pml_losses.ThresholdConsistentMarginLoss(),
+                                    ("multi_similarity", "pair_margin", "batch_hard")),
 }
 CASES = [(loss, miner) for loss, (_, _, miners) in LOSSES.items() for miner in miners]
 

@@ -38,6 +38,8 @@ class IntraPairVarianceLoss(PairLoss):
 
     gather_mode = "global_batch"
     supports_label_sets = True
+    #: indices_tuple (a miner's output, lightning_dml.miners.indices): the tuple's pairs as masks (pml's IntraPairVarianceLoss on tuples without repeated pairs)
+    supports_indices_tuple = True
 
     def __init__(self, pos_eps: float = 0.01, neg_eps: float = 0.01) -> None:
         super().__init__()

@@ -38,6 +38,8 @@ class ThresholdConsistentMarginLoss(PairLoss):
 
     gather_mode = "references"
     supports_label_sets = True
+    #: indices_tuple (a miner's output, lightning_dml.miners.indices): the tuple's pairs as masks (pml's ThresholdConsistentMarginLoss on tuples without repeated pairs)
+    supports_indices_tuple = True
     needs_positive_pairs = False
 
     def __init__(
