@@ -88,7 +88,7 @@ def _build(spec: Any, index: int, loss: nn.Module) -> tuple[str, nn.Module, floa
             f"{where} has target 'loss_weights' but the loss {type(loss).__name__} has no class weights (a proxy or "
             "classification loss such as proxy_anchor, arcface or soft_triple has)"
         )
-    if target == "loss_weights" and getattr(loss, "sharded", False):
+    if target == "loss_weights" and loss.sharded:  # a ProxyLoss here (checked above)
         raise RegularizerSpecError(
             f"{where} has target 'loss_weights' but {type(loss).__name__} has sharded=True: each process holds only "
             "its block of the class weights, and the regularizers of the weights need all of them"
