@@ -19,7 +19,7 @@ from lightning_dml.checks import check_fit_combination, check_gather_combination
 from lightning_dml.gradient_cache import batch_statistics_layers, check_chunk_size, chunked_embeddings
 from lightning_dml.losses import build_loss
 from lightning_dml.losses.distributed import gathered_loss
-from lightning_dml.losses.partial_fc import check_sharded_fit
+from lightning_dml.losses.partial_fc import add_sharded_state, check_sharded_fit, take_sharded_state
 from lightning_dml.miners import Miner, MinedLoss, build_miner
 from lightning_dml.metrics import RetrievalMetrics, progress_bars
 from lightning_dml.models.backbones import check_levels
@@ -382,6 +382,8 @@ class DMLModule(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint.setdefault("lightning_dml", {})["architecture"] = self.architecture()
+        if self.__dict__.get("sharded_loss_held"):  # all classes' centres, as an unsharded run saves them
+            add_sharded_state(self.loss, checkpoint)
 
     def _attached_trainer(self) -> pl.Trainer | None:
         try:
@@ -435,6 +437,8 @@ class DMLModule(pl.LightningModule):
                 self._apply_loss_sizes(sizes)
             except ValueError as error:
                 raise CheckpointMismatchError(f"{where} does not fit this model's loss: {error}") from None
+        if self.__dict__.get("sharded_loss_held"):  # this process's rows of the centres and of their optimizer state
+            take_sharded_state(self.loss, checkpoint)
         strategy = getattr(trainer, "strategy", None)
         if strategy is None or isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):  # not a sharded model
             self._check_weights_fit(checkpoint, where)
@@ -558,9 +562,25 @@ class DMLModule(pl.LightningModule):
             datamodule = getattr(self.trainer, "datamodule", None)
             check_fit_combination(self.loss, datamodule)
             check_gather_combination(self.loss, self.gather_distributed)
-            if getattr(self.loss, "sharded", False):  # Partial FC's shards cannot live in Lightning's DDP wrapper
-                check_sharded_fit(self.loss, self.trainer.world_size)
+            if getattr(self.loss, "sharded", False):  # Partial FC: options that cannot go with the shards
+                check_sharded_fit(self, self.trainer.world_size)
             self._complete_losses(datamodule)
+            if getattr(self.loss, "sharded", False) and self.trainer.world_size > 1:
+                self._hold_sharded_loss()
+
+    def _hold_sharded_loss(self) -> None:
+        """A sharded loss (Partial FC) under DDP leaves the module's tree: Lightning's DistributedDataParallel
+        wraps every parameter of the module, and would broadcast rank 0's centres and average the processes'
+        centre gradients, while each process holds other classes. It stays ``self.loss`` (a plain attribute), is
+        moved to the process's device, and its shard is in the optimizer's ``"loss"`` group; the checkpoint hooks
+        add all classes' centres and their optimizer state (``partial_fc.add_sharded_state``)."""
+        loss = self.loss.split()
+        if "loss" in dict(self.named_children()):
+            delattr(self, "loss")
+            object.__setattr__(self, "loss", loss)
+        self.trainer.strategy.precision_plugin.convert_module(loss)  # "64-true": the dtype the module will have
+        loss.to(self.trainer.strategy.root_device)
+        object.__setattr__(self, "sharded_loss_held", True)
 
     def training_step(self, batch: Sequence[torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch[0], batch[1]

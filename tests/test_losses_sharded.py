@@ -143,24 +143,72 @@ def test_sharded_losses_under_2_and_3_processes_equal_one_process_and_resume_at_
         torch.testing.assert_close(loss(x, y), saved["value"], rtol=1e-12, atol=0)
 
 
-def test_dml_module_refuses_a_sharded_loss_under_ddp(monkeypatch):
-    """Lightning's DDP wrapper would broadcast and average the shards: refused by name at fit start (a trainer that
-    reports 2 processes); on one process the same module sets up."""
+def _setup_under(world: int, monkeypatch, loss: str = "arcface", **options):
+    """``DMLModule.setup("fit")`` with a sharded proxy loss and a trainer that reports ``world`` processes."""
     import pytorch_lightning as pl
 
-    from lightning_dml.losses import ArcFaceLoss
     from lightning_dml.models import SmallConvNet
     from lightning_dml.module import DMLModule
 
-    def setup(world: int) -> None:
-        model = DMLModule(
-            SmallConvNet(in_channels=1, width=4), loss=ArcFaceLoss(4, 8, sharded=True), embedding_dim=8,
-            clustering=False,
-        )
-        model.trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
-        monkeypatch.setattr(pl.Trainer, "world_size", property(lambda self: world))
-        model.setup("fit")
+    model = DMLModule(
+        SmallConvNet(in_channels=1, width=4), loss=LOSSES[loss](num_classes=4, embedding_dim=8, sharded=True),
+        embedding_dim=8, clustering=False, **options,
+    )
+    model.trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False)
+    monkeypatch.setattr(pl.Trainer, "world_size", property(lambda self: world))
+    model.setup("fit")
+    return model
 
-    setup(1)
-    with pytest.raises(ValueError, match=r"ArcFaceLoss\(sharded=True\) cannot be trained by DMLModule under DDP \(2 "):
-        setup(2)
+
+def test_dml_module_holds_a_sharded_loss_outside_ddp(monkeypatch):
+    """Under DDP (a trainer that reports 2 processes) the sharded loss leaves the module's tree (Lightning's DDP
+    wrapper would broadcast and average the shards) and its shard stays in the optimizer's loss group; on one
+    process it stays a submodule."""
+    one = _setup_under(1, monkeypatch)
+    assert "loss.proxies" in dict(one.named_parameters())
+    two = _setup_under(2, monkeypatch)
+    assert not any(name.startswith("loss.") for name, _ in two.named_parameters())
+    (group,) = [g for g in two.parameter_groups() if g["name"] == "loss"]
+    assert group["params"] == [two.loss.proxies]
+
+
+@pytest.mark.parametrize(
+    "loss, options, match",
+    [
+        ("proxy_anchor", {"gather_distributed": True}, "gather_distributed=True"),
+        ("arcface", {"embedding_chunk_size": 4}, "embedding_chunk_size"),
+    ],
+)
+def test_dml_module_refuses_options_that_cannot_go_with_shards(monkeypatch, loss, options, match):
+    _setup_under(1, monkeypatch, loss, **options)  # one process: the plain loss, every option passes
+    with pytest.raises(ValueError, match=rf"Loss\(sharded=True\) under DDP \(2 processes\).*{match}"):
+        _setup_under(2, monkeypatch, loss, **options)
+
+
+@pytest.mark.slow  # two 2-process Lightning fits (~10 s of process start-up on a quiet 2-core machine)
+@pytest.mark.skipif(sys.platform == "win32", reason="gloo")
+def test_lightning_ddp_fit_with_sharded_loss_equals_unsharded_and_resumes_on_one_process(tmp_path):
+    """tests/distributed/run_sharded_fit_ddp.py: 3 fp64 SGD-momentum steps under Lightning's DDP with the sharded
+    ArcFace end with the unsharded fit's weights, centres and centre momentum (1e-9); its checkpoint then resumes
+    into one process with the unsharded run's centres and momentum."""
+    from tests.distributed.run_sharded_fit_ddp import fit_setup
+    from tests.distributed.test_distributed_callbacks import _env
+
+    script = Path(__file__).resolve().parent / "distributed" / "run_sharded_fit_ddp.py"
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env=_env(PYTHONWARNINGS="ignore"))
+    assert proc.returncode == 0 and "SHARDED-FIT-DDP-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    plain = torch.load(tmp_path / "plain.pt")
+    # one process restores it as Lightning does (on_load_checkpoint, the state dict, the optimizer's state); the P x K
+    # sampler's own state refuses another number of processes, so no Trainer(ckpt_path=...) here
+    checkpoint = torch.load(tmp_path / "sharded.ckpt", weights_only=False)
+    model, _, _ = fit_setup(sharded=True)
+    model.double()  # the run's precision="64-true"
+    model.on_load_checkpoint(checkpoint)
+    model.load_state_dict(checkpoint["state_dict"])
+    optimizer = torch.optim.SGD(model.parameter_groups(), lr=0.05, momentum=0.9)
+    optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+    assert model.loss.proxies.shape[0] == 6
+    torch.testing.assert_close(model.loss.proxies.detach(), plain["centres"], rtol=1e-9, atol=1e-12)
+    momentum = optimizer.state[model.loss.proxies]["momentum_buffer"]
+    torch.testing.assert_close(momentum, plain["momentum"], rtol=1e-9, atol=1e-12)

@@ -41,6 +41,7 @@ from torch import Tensor
 from lightning_dml.distributed import all_gather_uneven, get_world_size
 
 __all__ = [
+    "add_sharded_state",
     "check_sharded_fit",
     "cosine_to_proxies",
     "gather_batch",
@@ -49,6 +50,7 @@ __all__ = [
     "scale_grad",
     "shard_range",
     "sharded_softmax_loss",
+    "take_sharded_state",
 ]
 
 
@@ -209,15 +211,72 @@ def sharded_softmax_loss(
     return local_part + (value - local_part).detach()
 
 
-def check_sharded_fit(loss: object, world_size: int) -> None:
-    """``ValueError`` naming the loss when a loss with ``sharded=True`` would be trained by ``DMLModule`` under DDP
-    (``world_size > 1``): Lightning's DDP wrapper holds every parameter of the module, so it would broadcast rank
-    0's centres to all processes and average the processes' centre gradients, while each process holds other
-    classes. On one process ``sharded=True`` is the plain loss and passes."""
-    if world_size > 1 and getattr(loss, "sharded", False):
-        raise ValueError(
-            f"{type(loss).__name__}(sharded=True) cannot be trained by DMLModule under DDP ({world_size} processes): "
-            "Lightning's DistributedDataParallel would broadcast and average the class centres, but each process "
-            "holds other classes. Set sharded: false (every process holds all centres), or train in a PyTorch loop "
-            "that keeps the loss outside DistributedDataParallel (docs/memory.md, 'Classes that do not fit')"
-        )
+def check_sharded_fit(module: object, world_size: int) -> None:
+    """``ValueError`` naming the option when ``DMLModule`` (``module``) cannot train its sharded loss under DDP
+    (``world_size > 1``): with per-level losses, ``gather_distributed`` (the loss gathers the batch itself),
+    ``embedding_chunk_size`` or a regularizer of the loss's weights (a term of the local shard only). On one
+    process ``sharded=True`` is the plain loss and every option passes."""
+    loss = getattr(module, "loss", None)
+    if world_size <= 1 or not getattr(loss, "sharded", False):
+        return
+    targets = getattr(getattr(module, "regularization", None), "targets", None) or []
+    clashes = [
+        (getattr(module, "level_losses", None) is not None, 'fusion="per_level" (one loss per level)'),
+        (bool(getattr(module, "gather_distributed", False)), "gather_distributed=True (the sharded loss gathers the "
+         "batch itself)"),
+        (getattr(module, "embedding_chunk_size", None) is not None, "embedding_chunk_size"),
+        ("loss_weights" in targets, "a regularizer with target loss_weights (it would see this process's shard only)"),
+    ]
+    for clash, option in clashes:
+        if clash:
+            raise ValueError(
+                f"{type(loss).__name__}(sharded=True) under DDP ({world_size} processes) cannot be combined with "
+                f"{option}: set sharded: false, or leave the option out"
+            )
+
+
+def _loss_param_indices(optimizer_state: dict) -> list[int]:
+    """Indices, in an optimizer's ``state_dict``, of the parameters of its group named ``"loss"``
+    (``DMLModule.parameter_groups``)."""
+    return [i for g in optimizer_state.get("param_groups", []) if g.get("name") == "loss" for i in g["params"]]
+
+
+def add_sharded_state(loss: object, checkpoint: dict, prefix: str = "loss.") -> None:
+    """``on_save_checkpoint`` of a module whose sharded loss is held outside DDP: the centres of all classes
+    (``loss.state_dict``) and, in each optimizer state's ``"loss"`` group, every tensor shaped like the shard
+    (momentum, Adam's moments) gathered over the processes, so the checkpoint is the unsharded one. A collective:
+    every process calls it (Lightning dumps the checkpoint on every process, rank 0 writes it)."""
+    checkpoint.setdefault("state_dict", {}).update(loss.state_dict(prefix=prefix))
+    for optimizer_state in checkpoint.get("optimizer_states", []):
+        states = optimizer_state.get("state", {})
+        for index in _loss_param_indices(optimizer_state):
+            # a new dict: an optimizer's state_dict() shares its per-parameter dicts with the live optimizer
+            state = dict(states.get(index, {}))
+            for key in sorted(state):
+                value = state[key]
+                if isinstance(value, Tensor) and value.shape == loss.proxies.shape:
+                    state[key] = torch.cat(all_gather_uneven(value.detach())[0])
+            if index in states:
+                states[index] = state
+
+
+def take_sharded_state(loss: object, checkpoint: dict, prefix: str = "loss.") -> None:
+    """``on_load_checkpoint`` counterpart of :func:`add_sharded_state`: the loss loads its rows of the centres (their
+    keys leave the checkpoint's state dict) and each optimizer state's ``"loss"`` group keeps this process's rows of
+    the tensors that hold all classes, whatever the number of processes that saved it."""
+    state_dict = checkpoint.get("state_dict", {})
+    own = {key[len(prefix):]: state_dict.pop(key) for key in list(state_dict) if key.startswith(prefix)}
+    if own:
+        loss.load_state_dict(own)
+    k = loss.proxies_per_class
+    lo, hi, full = loss.shard_start * k, loss.shard_stop * k, loss.num_classes * k
+    for optimizer_state in checkpoint.get("optimizer_states", []):
+        states = optimizer_state.get("state", {})
+        for index in _loss_param_indices(optimizer_state):
+            if index in states:
+                states[index] = {
+                    key: value[lo:hi].clone()
+                    if isinstance(value, Tensor) and value.ndim == 2 and value.shape[0] == full
+                    else value
+                    for key, value in states[index].items()
+                }

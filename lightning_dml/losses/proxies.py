@@ -349,6 +349,17 @@ class ProxyLoss(nn.Module):
             raise ValueError(f"{type(self).__name__}: {err}") from None
         self.shard_world, self.shard_start, self.shard_stop = world, start, stop
 
+    def split(self) -> ProxyLoss:
+        """With ``sharded``, a loss whose proxies were created for one process (before the process group existed)
+        keeps this process's rows of them. Returns ``self``."""
+        from lightning_dml.distributed import get_world_size
+
+        if self.sharded and self.proxies is not None and self.shard_world == 1 and get_world_size() > 1:
+            self._place_shard()
+            k = self.proxies_per_class
+            self.proxies.data = self.proxies.data[self.shard_start * k : self.shard_stop * k].clone()
+        return self
+
     def softmax_loss(
         self,
         x: Tensor,

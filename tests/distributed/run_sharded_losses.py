@@ -155,18 +155,26 @@ def _worker(rank: int, world: int, store: str, checkpoint: str, phase: str) -> N
         failures.append("a DDP step (backbone in DDP, sharded loss outside) differs from one process's step")
     lines.append("DDP step with the sharded loss outside DistributedDataParallel: equal to one process's step")
 
-    # checkpoints: a sharded ArcFace's state dict holds all classes; saved under one world size, loaded under another
+    # checkpoints: a sharded ArcFace's state dict holds all classes; saved under one world size, loaded under another;
+    # DMLModule's checkpoint hooks (add_sharded_state / take_sharded_state) do the same with the centres' momentum
     loss = build("arcface", {}, True)
     if phase == "save":
         torch.manual_seed(7 + rank)  # shards initialised differently on each process: only the checkpoint has them
         loss.reset_parameters()
+        opt = torch.optim.SGD([{"params": [loss.proxies], "name": "loss"}], lr=0.5, momentum=0.9)
         loss(x[local], y[local]).backward()
-        with torch.no_grad():
-            loss.proxies -= 0.5 * loss.proxies.grad
+        opt.step()
         value = loss(x[local], y[local]).detach()
         state = loss.state_dict()
+        ckpt = {"state_dict": {}, "optimizer_states": [opt.state_dict()]}
+        partial_fc.add_sharded_state(loss, ckpt)
+        momentum = ckpt["optimizer_states"][0]["state"][0]["momentum_buffer"]
+        if momentum.shape[0] != C or opt.state[loss.proxies]["momentum_buffer"].shape != loss.proxies.shape:
+            failures.append("add_sharded_state: the saved momentum is not all classes', or the live one changed")
+        if not torch.equal(ckpt["state_dict"]["loss.proxies"], state["proxies"]):
+            failures.append("add_sharded_state: the saved centres are not the loss's state dict")
         if rank == 0:
-            torch.save({"state_dict": state, "value": value}, checkpoint)
+            torch.save({"state_dict": state, "value": value, "module_checkpoint": ckpt}, checkpoint)
     else:
         saved = torch.load(checkpoint, weights_only=True)
         loss.load_state_dict(saved["state_dict"])
@@ -174,6 +182,17 @@ def _worker(rank: int, world: int, store: str, checkpoint: str, phase: str) -> N
         if not close(value, saved["value"]):
             failures.append(f"resume: loss {float(value)!r} under {world}, saved {float(saved['value'])!r}")
         lines.append(f"resumed at world {world}: loss {float(value):.6f}")
+        other = build("arcface", {}, True)
+        ckpt = saved["module_checkpoint"]
+        full_momentum = ckpt["optimizer_states"][0]["state"][0]["momentum_buffer"].clone()
+        partial_fc.take_sharded_state(other, ckpt)
+        opt = torch.optim.SGD([{"params": [other.proxies], "name": "loss"}], lr=0.5, momentum=0.9)
+        opt.load_state_dict(ckpt["optimizer_states"][0])
+        rows = slice(other.shard_start, other.shard_stop)
+        if not (torch.equal(other.proxies.detach(), saved["state_dict"]["proxies"][rows])
+                and torch.equal(opt.state[other.proxies]["momentum_buffer"], full_momentum[rows])
+                and "loss.proxies" not in ckpt["state_dict"]):
+            failures.append("take_sharded_state: this process's rows of the centres or of their momentum differ")
 
     bad = torch.tensor(float(len(failures)))
     dist.all_reduce(bad)
