@@ -5,7 +5,11 @@
   validated by name.
 * 2 and 3 gloo processes (tests/distributed/run_sharded_losses.py): values and gradients equal the unsharded loss of
   the global batch in fp64 to 1e-12 for the softmax family, ProxyNCA and Proxy-Anchor, with 7 classes and uneven
-  batches; a checkpoint saved under 2 processes loads under 3 and under 1 with the same loss value.
+  batches; a checkpoint saved under 2 processes loads under 3 and under 1 with the same loss value; DMLModule's
+  checkpoint hooks gather and split the centres' momentum; a step with the backbone in DistributedDataParallel and
+  the loss outside equals one process's step.
+* DMLModule: under DDP the sharded loss is held outside the module tree, options that cannot go with it are refused
+  by name, and a 2-process Lightning fit (tests/distributed/run_sharded_fit_ddp.py) equals the unsharded fit.
 """
 
 from __future__ import annotations
