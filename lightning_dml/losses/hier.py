@@ -85,7 +85,9 @@ def reciprocal_triplets(
     return anchors.repeat_interleave(per_anchor), pos.reshape(-1), neg.reshape(-1)
 
 
-def lowest_common_ancestors(to_proxies: Tensor, i: Tensor, j: Tensor, k: Tensor, block: int = 8192) -> tuple[Tensor, Tensor]:
+def lowest_common_ancestors(
+    to_proxies: Tensor, i: Tensor, j: Tensor, k: Tensor, block: int = 8192
+) -> tuple[Tensor, Tensor]:
     """Indices of ``LCA(x_i, x_j)`` and ``LCA(x_i, x_j, x_k)`` per triplet (Eq. 2: arg-min over the proxies of the
     largest distance, first index on ties), without gradient, ``block`` triplets at a time (``[block, M]``
     temporaries)."""
@@ -175,7 +177,8 @@ class HIERLoss(nn.Module):
         for label, value, minimum in (("num_proxies", num_proxies, 2), ("topk", topk, 2)):
             if int(value) != value or value < minimum:
                 raise ValueError(f"{name}: {label} must be an integer >= {minimum}, got {value}")
-        if triplets_per_anchor is not None and (int(triplets_per_anchor) != triplets_per_anchor or triplets_per_anchor < 1):
+        per_anchor = triplets_per_anchor
+        if per_anchor is not None and (int(per_anchor) != per_anchor or per_anchor < 1):
             raise ValueError(f"{name}: triplets_per_anchor must be an integer >= 1 or None, got {triplets_per_anchor}")
         for label, value in (("margin", margin), ("weight", weight), ("base_weight", base_weight)):
             if not math.isfinite(float(value)) or value < 0:
