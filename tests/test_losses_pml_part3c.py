@@ -192,6 +192,8 @@ def test_dynamic_margins_follow_the_class_counts():
     torch.testing.assert_close(m, torch.tensor([0.55, 0.5 / 3**0.25 + 0.05, 0.5 / 10**0.25 + 0.05,
                                                 0.5 / 50**0.25 + 0.05, 0.5 / 200**0.25 + 0.05], dtype=torch.float64))
     assert bool((m.diff() < 0).all())  # rarer classes, larger margins
+    edge = torch.cos(math.pi - m)  # exactly at theta = pi - m: still cos(theta + m) = cos(pi) = -1
+    torch.testing.assert_close(additive_angular_margins(edge, m), torch.full_like(m, -1.0), rtol=0, atol=1e-12)
     cos = torch.linspace(-1, 1, 101, dtype=torch.float64)
     for margin in (0.1, 0.5):  # one margin: ArcFace's function
         torch.testing.assert_close(additive_angular_margins(cos, torch.full_like(cos, margin)),
@@ -218,6 +220,9 @@ def test_dynamic_arcface_class_counts_are_checked_and_saved():
     fresh = build_loss("dynamic_arcface")  # sizes and counts from the state dict
     fresh.load_state_dict(saved)
     assert fresh.class_counts.tolist() == COUNTS.tolist() and fresh.num_classes == 5
+    parent = torch.nn.ModuleDict({"loss": build_loss("dynamic_arcface")})  # inside a model: a prefixed key
+    parent.load_state_dict({f"loss.{k}": v for k, v in saved.items()})
+    assert parent["loss"].class_counts.tolist() == COUNTS.tolist()
 
 
 class TinyData:
@@ -406,6 +411,70 @@ def test_ties_match_the_references():
         ours.proxies.copy_(signs[[0, 2, 4, 6]])  # proxies on the items: exact ties of the graph's edges
     w = ours.proxies.detach().clone().requires_grad_(True)
     assert_same(ours, lambda e, t: ref.manifold(e, w, t), z, y, rtol=1e-9, params=((ours.proxies,), (w,)))
+
+
+def test_bad_settings_are_refused():
+    for kwargs in ({"a": -0.1}, {"b": -0.01}, {"lambda0": -0.5}, {"a": math.inf}, {"lambda0": math.nan},
+                   {"a": 1.0, "b": 0.6}):  # the last: a + b = 1.6 >= pi / 2
+        with pytest.raises(ValueError, match="DynamicArcFaceLoss"):
+            build_loss("dynamic_arcface", **kwargs)
+    build_loss("dynamic_arcface", a=1.0, b=0.5, lambda0=0.0)  # a + b = 1.5 < pi / 2; lambda0 = 0: one margin
+    build_loss("dynamic_arcface", a=0.3, b=0.0)  # b = 0: no floor
+    with pytest.raises(ValueError, match="a \\+ b"):
+        build_loss("dynamic_arcface", a=math.pi / 2, b=0.0)  # exactly pi / 2
+    for gamma in (0.0, -0.5):
+        with pytest.raises(ValueError, match="gamma must be > 0"):
+            build_loss("instance", gamma=gamma)
+    assert build_loss("instance", gamma=0.5).gamma == 0.5
+    assert build_loss("manifold", lambda_c=0.0).lambda_c == 0.0  # the intrinsic term alone
+    assert build_loss("self_supervised", views=2).views == 2
+    loss = build_loss("self_supervised")
+    for views in ((torch.randn(3, 4),), (torch.randn(3, 4), torch.randn(2, 4))):
+        with pytest.raises(ValueError, match="at least two views of the same shape"):
+            loss.forward_views(*views)
+    with pytest.raises(ValueError, match="no ref_embeddings"):
+        loss(torch.randn(4, 3), torch.tensor([0, 0, 1, 1]), torch.randn(2, 3))
+    with pytest.raises(ValueError, match="empty"):
+        loss(torch.randn(0, 3), torch.zeros(0, dtype=torch.long))
+
+
+def test_defaults_are_the_documented_ones():
+    """pml's defaults (docs/losses/<name>.md)."""
+    from lightning_dml.losses import NTXentLoss
+
+    assert build_loss("instance").gamma == 64.0
+    m = build_loss("manifold")
+    assert (m.lambda_c, m.alpha, m.margin) == (1.0, 0.8, 5e-4)
+    d = build_loss("dynamic_arcface")
+    assert (d.a, d.b, d.lambda0, d.scale, d.proxies_per_class) == (0.5, 0.05, 0.25, 64.0, 3)
+    assert d.supports_sampling is False  # no Partial FC sharding: the margins are per class of the whole softmax
+    s = build_loss("self_supervised")
+    assert type(s.loss) is NTXentLoss and s.views is None and s.gather_mode == "global_batch"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_anatomy_as_documented(name):
+    """What each loss declares (read by the fit-start checks and DMLModule), through its behaviour."""
+    from lightning_dml.checks import check_training_batch
+
+    loss = _build(name)
+    sets = torch.tensor([[0, 1], [1, -1], [0, -1], [1, -1], [2, -1], [2, 0]])
+    with pytest.raises(ValueError, match=f"{type(loss).__name__} cannot train on label sets"):
+        loss(torch.randn(6, 8, dtype=torch.float64), sets)
+    assert loss.supports_label_sets is False and getattr(loss, "needs_embedding_dim", False) is False
+    if name in ("instance", "self_supervised"):  # batch losses that take no reference items
+        with pytest.raises(ValueError, match="ref_embeddings"):
+            loss(torch.randn(4, 8, dtype=torch.float64), torch.tensor([0, 0, 1, 1]),
+                 torch.randn(2, 8, dtype=torch.float64), torch.tensor([0, 1]))
+        assert loss.supports_ref is False and loss.needs_num_classes is False
+    singletons = torch.arange(6)
+    if name == "self_supervised":  # the views of an item are its positive pairs
+        with pytest.raises(ValueError):
+            check_training_batch(loss, singletons)
+        assert loss.needs_positive_pairs is True and loss.normalize is True and loss.has_parameters is False
+    else:  # instance discrimination and the proxy losses learn from single items
+        check_training_batch(loss, singletons)
+        assert loss.needs_positive_pairs is False
 
 
 # ------------------------------------------------------------------------------------------------- DDP
