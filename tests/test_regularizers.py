@@ -235,6 +235,12 @@ def test_bad_settings_are_named(name, init, message):
         build_regularizer(name, **init)
 
 
+@pytest.mark.parametrize("init", [{"num_classes": CLASSES}, {"centers_per_class": PER_CLASS}])
+def test_sparse_centers_called_without_a_size_names_both(init):
+    with pytest.raises(ValueError, match="needs num_classes and centers_per_class"):
+        SparseCentersRegularizer(**init)(_random())
+
+
 @pytest.mark.parametrize("p", [1, 3])
 def test_other_norm_orders_equal_pml(p):
     from pytorch_metric_learning.distances import LpDistance
