@@ -40,7 +40,8 @@ class NCALoss(PairLoss):
         reducer: a pml reducer (:mod:`lightning_dml.losses.reducers`, or its name) of the per-anchor terms of the
             anchors with a positive, in place of their mean (NCA's objective is a sum over the points: the
             reduction is open); pml's ``NCALoss`` passes the same terms to its reducer. ``ClassWeightedReducer``
-            needs ``closed_form=True`` (the default: the labels reach the reduction there) and one label per item.
+            needs ``closed_form=True`` (the default: the labels reach the reduction there; not with an
+            ``indices_tuple``) and one label per item.
 
     Degenerate batches: an anchor without a positive has no term and does not count; a batch without positive
     pairs gives 0 with zero gradient. A single-class batch gives ``p_i = 1`` for all anchors (loss 0, resp. -1).

@@ -38,7 +38,7 @@ class SupConLoss(TemperaturePairLoss):
             ``L_i`` in place of the mean over the anchors with positives (the paper's Eq. 2 leaves the reduction
             open: a sum); an anchor without a positive has the term 0, as in pml, so ``reducer="avg_non_zero"``
             (pml's default) gives pml's value. ``ClassWeightedReducer`` needs ``closed_form=True`` (the default:
-            the labels reach the reduction there) and one label per item.
+            the labels reach the reduction there; not with an ``indices_tuple``) and one label per item.
 
     Degenerate batches: an anchor without a positive has no term and does not count in the mean; a batch without
     any positive pair gives 0 with zero gradient. A batch of one class (no negatives) is still defined (each
