@@ -65,7 +65,8 @@ ROOT = Path(__file__).resolve().parents[1]
 GROUPS: dict[str, dict] = {
     "losses": {
         "sources": ["lightning_dml/losses/*.py"],
-        "tests": ["tests/test_losses_*.py", "tests/test_softmax_pairs.py", "tests/test_docs.py"],
+        "tests": ["tests/test_losses_*.py", "tests/test_softmax_pairs.py", "tests/test_docs.py", "tests/test_reducers.py",
+                  "tests/test_hyperbolic.py", "tests/test_miners_losses.py"],
         # every loss gathered under DDP (gloo, 2 and 3 processes): for the code that only DDP runs
         "subprocess_tests": {
             "tests/distributed/test_distributed_loss.py": [
@@ -77,6 +78,11 @@ GROUPS: dict[str, dict] = {
     "miners": {
         "sources": ["lightning_dml/miners/*.py"],
         "tests": ["tests/test_miners*.py", "tests/test_losses_*.py"],
+        "subprocess_tests": {},
+    },
+    "regularizers": {
+        "sources": ["lightning_dml/regularizers/*.py"],
+        "tests": ["tests/test_regularizers.py"],
         "subprocess_tests": {},
     },
     "metrics": {
