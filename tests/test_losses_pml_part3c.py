@@ -415,6 +415,7 @@ def test_ties_match_the_references():
 
 def test_bad_settings_are_refused():
     for kwargs in ({"a": -0.1}, {"b": -0.01}, {"lambda0": -0.5}, {"a": math.inf}, {"lambda0": math.nan},
+                   {"a": math.nan}, {"b": math.nan},  # nan passes min(...) < 0 and a + b >= pi / 2 unnoticed
                    {"a": 1.0, "b": 0.6}):  # the last: a + b = 1.6 >= pi / 2
         with pytest.raises(ValueError, match="DynamicArcFaceLoss"):
             build_loss("dynamic_arcface", **kwargs)
