@@ -13,6 +13,7 @@ import torch
 
 from lightning_dml.losses import BinomialDevianceLoss, CircleLoss, ContrastiveLoss, MultiSimilarityLoss, NTXentLoss
 from lightning_dml.losses import SupConLoss, TripletLoss, build_loss
+from lightning_dml.losses.registry import LOSSES as LOSS_REGISTRY
 from lightning_dml.miners import (
     BatchHardMiner,
     HDCMiner,
@@ -168,3 +169,32 @@ def test_cli_model_miner_by_name_and_by_class_path(tmp_path, monkeypatch):
         run=False,
     )
     assert isinstance(cli.model.miner, PairMarginMiner) and cli.model.miner.neg_margin == 0.6
+
+
+def _build_registered(name):
+    """The registered loss ``name`` with the sizes it needs for a batch of 8 items of width 6 in 4 classes."""
+    cls = LOSS_REGISTRY[name]
+    kw = {}
+    if getattr(cls, "needs_num_classes", False):
+        kw = {"num_classes": 4, "embedding_dim": 6}
+    if name == "cross_batch_memory":
+        kw = {"embedding_size": 6}
+    return cls(**kw).double()
+
+
+@pytest.mark.parametrize("name", sorted(LOSS_REGISTRY))
+def test_every_registered_loss_takes_or_refuses_an_indices_tuple_in_one_line(name):
+    """A loss either scores a miner's tuple or refuses it with the library's ValueError naming it (the losses that
+    override ``forward`` raised Python's TypeError on the keyword), by keyword and in pml's positional place."""
+    loss = _build_registered(name)
+    z = torch.nn.functional.normalize(torch.randn(8, 6, generator=torch.Generator().manual_seed(0),
+                                                  dtype=torch.float64), dim=1)
+    y = torch.arange(4).repeat_interleave(2)
+    t = (torch.tensor([0, 2]), torch.tensor([1, 3]), torch.tensor([0, 2]), torch.tensor([4, 6]))
+    if getattr(loss, "supports_indices_tuple", False):
+        assert torch.isfinite(loss(z, y, indices_tuple=t))
+        return
+    refusal = rf"^{type(loss).__name__} does not take indices_tuple \(a miner's output\): [^\n]+$"
+    for call in (lambda: loss(z, y, indices_tuple=t), lambda: loss(z, y, t)):
+        with pytest.raises(ValueError, match=refusal):
+            call()

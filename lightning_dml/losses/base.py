@@ -63,6 +63,8 @@ __all__ = [
     "check_inputs",
     "check_label_sets",
     "label_sets_error",
+    "indices_tuple_error",
+    "refuse_indices_tuple",
     "label_set_losses",
     "upcast",
     "normalize_embeddings",
@@ -128,6 +130,23 @@ def batch_normaliser(count: Tensor | int | None, like: Tensor) -> Tensor:
         count = count.clone()  # integer counts are summed exactly
         dist.all_reduce(count)
     return count.to(like.dtype).clamp(min=1) / world
+
+
+def indices_tuple_error(loss: object) -> ValueError:
+    """The one error for an ``indices_tuple`` (a miner's output) given to a loss that cannot take it: names the
+    loss and why (its ``indices_tuple_reason``). Raised by :meth:`PairLoss.compute_mined` and by the losses that
+    override ``forward`` (:func:`refuse_indices_tuple`)."""
+    reason = getattr(loss, "indices_tuple_reason", None)
+    reason = reason or "its definition does not score a chosen set of pairs or triplets"
+    return ValueError(f"{type(loss).__name__} does not take indices_tuple (a miner's output): {reason}")
+
+
+def refuse_indices_tuple(loss: object, indices_tuple: object, ref_embeddings: object = None) -> None:
+    """For a loss whose own ``forward`` cannot take a miner's tuple: :func:`indices_tuple_error` when one is given,
+    by keyword or in pml's positional place (a tuple where ``ref_embeddings`` goes, as :meth:`PairLoss.forward`
+    reads it)."""
+    if indices_tuple is not None or isinstance(ref_embeddings, (tuple, list)):
+        raise indices_tuple_error(loss)
 
 
 def label_set_losses() -> list[str]:
@@ -472,8 +491,7 @@ class PairLoss(nn.Module):
         without ``supports_indices_tuple`` and with ``anchor_chunk_size``."""
         name = type(self).__name__
         if not self.supports_indices_tuple:
-            reason = self.indices_tuple_reason or "its definition does not score a chosen set of pairs or triplets"
-            raise ValueError(f"{name} does not take indices_tuple (a miner's output): {reason}")
+            raise indices_tuple_error(self)
         if self.anchor_chunk_size is not None:
             raise ValueError(f"{name}: indices_tuple does not combine with anchor_chunk_size; set one of them")
         tuples = check_indices_tuple(indices_tuple, anchors.shape[0], num_gallery, anchors.device, where=name)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_dml.losses.base import PairLoss, check_inputs, label_sets_error
+from lightning_dml.losses.base import PairLoss, check_inputs, label_sets_error, refuse_indices_tuple
 from lightning_dml.losses.registry import build_loss, register_loss
 
 __all__ = ["CrossBatchMemory"]
@@ -122,7 +122,9 @@ class CrossBatchMemory(nn.Module):
         labels: Tensor,
         ref_embeddings: Tensor | None = None,
         ref_labels: Tensor | None = None,
+        indices_tuple: tuple[Tensor, ...] | None = None,
     ) -> Tensor:
+        refuse_indices_tuple(self, indices_tuple, ref_embeddings)  # a miner's tuple: the one-line refusal
         if any(isinstance(t, Tensor) and t.ndim == 2 for t in (labels, ref_labels)):
             raise label_sets_error(self, tuple(labels.shape))
         check_inputs(embeddings, labels, ref_embeddings, ref_labels, where=type(self).__name__)

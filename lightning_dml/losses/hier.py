@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_dml.losses.base import check_inputs, label_sets_error, upcast
+from lightning_dml.losses.base import check_inputs, label_sets_error, refuse_indices_tuple, upcast
 from lightning_dml.losses.registry import build_loss, register_loss
 from lightning_dml.models.hyperbolic import check_curvature, poincare_distance_matrix, to_poincare
 
@@ -266,7 +266,9 @@ class HIERLoss(nn.Module):
         labels: Tensor,
         ref_embeddings: Tensor | None = None,
         ref_labels: Tensor | None = None,
+        indices_tuple: tuple[Tensor, ...] | None = None,
     ) -> Tensor:
+        refuse_indices_tuple(self, indices_tuple, ref_embeddings)  # a miner's tuple: the one-line refusal
         name = type(self).__name__
         if isinstance(labels, Tensor) and labels.ndim == 2:
             raise label_sets_error(self, tuple(labels.shape))

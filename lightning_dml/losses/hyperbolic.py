@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_dml.losses.base import PairLoss, check_inputs, label_sets_error, upcast
+from lightning_dml.losses.base import PairLoss, check_inputs, label_sets_error, refuse_indices_tuple, upcast
 from lightning_dml.losses.registry import register_loss
 from lightning_dml.models.hyperbolic import check_curvature, poincare_distance_matrix, to_poincare
 
@@ -120,7 +120,9 @@ class HypViTLoss(PairLoss):
         labels: Tensor,
         ref_embeddings: Tensor | None = None,
         ref_labels: Tensor | None = None,
+        indices_tuple: tuple[Tensor, ...] | None = None,
     ) -> Tensor:
+        refuse_indices_tuple(self, indices_tuple, ref_embeddings)  # a miner's tuple: the one-line refusal
         name = type(self).__name__
         if isinstance(labels, Tensor) and labels.ndim == 2:
             raise label_sets_error(self, tuple(labels.shape))

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_dml.losses.base import upcast
+from lightning_dml.losses.base import refuse_indices_tuple, upcast
 from lightning_dml.losses.proxies import ProxyLoss, normalize_proxies
 from lightning_dml.losses.registry import register_loss
 
@@ -79,7 +79,9 @@ class LargeMarginSoftmaxLoss(ProxyLoss):
         labels: Tensor,
         ref_embeddings: Tensor | None = None,
         ref_labels: Tensor | None = None,
+        indices_tuple: tuple[Tensor, ...] | None = None,
     ) -> Tensor:
+        refuse_indices_tuple(self, indices_tuple, ref_embeddings)  # a miner's tuple: the one-line refusal
         # the base class validates and hands proxy_loss the normalised embeddings: their norms are kept for it
         with torch.autocast(device_type=embeddings.device.type, enabled=False):
             self._raw_norms = upcast(embeddings).norm(dim=1) if isinstance(embeddings, Tensor) else None

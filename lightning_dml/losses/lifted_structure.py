@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from lightning_dml.losses.base import PairLoss, batch_normaliser, check_inputs, distance_from_similarity, masked_lse
-from lightning_dml.losses.base import normalize_embeddings, similarity_matrix, upcast
+from lightning_dml.losses.base import normalize_embeddings, refuse_indices_tuple, similarity_matrix, upcast
 from lightning_dml.losses.chunking import anchor_blocks, anchor_chunked_loss
 from lightning_dml.losses.registry import register_loss
 from lightning_dml.miners import label_masks
@@ -83,7 +83,9 @@ class LiftedStructureLoss(PairLoss):
         labels: Tensor,
         ref_embeddings: Tensor | None = None,
         ref_labels: Tensor | None = None,
+        indices_tuple: tuple[Tensor, ...] | None = None,
     ) -> Tensor:
+        refuse_indices_tuple(self, indices_tuple, ref_embeddings)  # a miner's tuple: the one-line refusal
         chunk = self.anchor_chunk_size
         if self.supports_ref or chunk is None or embeddings.shape[0] <= chunk or ref_embeddings is not None:
             return super().forward(embeddings, labels, ref_embeddings, ref_labels)

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from lightning_dml.losses.base import check_inputs, label_sets_error, normalize_embeddings, upcast
+from lightning_dml.losses.base import refuse_indices_tuple
 from lightning_dml.scaling import power_of_two_scale
 
 __all__ = ["ProxyLoss", "ProxySoftmaxFunction", "normalize_proxies", "proxy_softmax_loss", "unit_rows"]
@@ -258,6 +259,8 @@ class ProxyLoss(nn.Module):
     #: batch; DDP averages the gradients): nothing to gather, ``gather_distributed=True`` is rejected. Losses whose
     #: terms couple samples (Proxy-Anchor) set ``"global_batch"`` (:mod:`lightning_dml.losses.distributed`).
     gather_mode: str | None = None
+    #: a miner's indices_tuple is refused (losses.base.refuse_indices_tuple), with this reason
+    indices_tuple_reason: str | None = "it scores each item against class proxies, not chosen pairs or triplets"
     #: label sets ([B, L]) are rejected: see ``label_sets_reason``
     supports_label_sets: bool = False
     label_sets_reason: str | None = (
@@ -398,7 +401,9 @@ class ProxyLoss(nn.Module):
         labels: Tensor,
         ref_embeddings: Tensor | None = None,
         ref_labels: Tensor | None = None,
+        indices_tuple: tuple[Tensor, ...] | None = None,
     ) -> Tensor:
+        refuse_indices_tuple(self, indices_tuple, ref_embeddings)  # a miner's tuple: the one-line refusal
         name = type(self).__name__
         if ref_embeddings is not None or ref_labels is not None:
             raise ValueError(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from lightning_dml.losses.base import PairLoss, label_sets_error
+from lightning_dml.losses.base import PairLoss, label_sets_error, refuse_indices_tuple
 from lightning_dml.losses.registry import build_loss, register_loss
 
 __all__ = ["SelfSupervisedLoss", "view_labels"]
@@ -56,6 +56,7 @@ class SelfSupervisedLoss(nn.Module):
     gather_mode: str | None = "global_batch"
     supports_label_sets = False
     label_sets_reason = "its labels are item ids, one per item (the views of an item share it)"
+    indices_tuple_reason = "its pairs are the views of each item, set by the view labels"
 
     def __init__(self, loss: PairLoss | str = "ntxent", views: int | None = None) -> None:
         super().__init__()
@@ -91,7 +92,9 @@ class SelfSupervisedLoss(nn.Module):
         labels: Tensor,
         ref_embeddings: Tensor | None = None,
         ref_labels: Tensor | None = None,
+        indices_tuple: tuple[Tensor, ...] | None = None,
     ) -> Tensor:
+        refuse_indices_tuple(self, indices_tuple, ref_embeddings)  # a miner's tuple: the one-line refusal
         if any(isinstance(t, Tensor) and t.ndim == 2 for t in (labels, ref_labels)):
             raise label_sets_error(self, tuple(labels.shape))
         if ref_embeddings is not None or ref_labels is not None:

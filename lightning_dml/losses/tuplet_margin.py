@@ -9,7 +9,7 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from lightning_dml.losses.base import PairLoss, batch_normaliser, lse0, similarity_matrix
+from lightning_dml.losses.base import PairLoss, batch_normaliser, lse0, refuse_indices_tuple, similarity_matrix
 from lightning_dml.losses.chunking import anchor_blocks, check_anchor_chunk_size
 from lightning_dml.losses.registry import register_loss
 from lightning_dml.miners import label_masks
@@ -139,7 +139,9 @@ class TupletMarginLoss(PairLoss):
         labels: Tensor,
         ref_embeddings: Tensor | None = None,
         ref_labels: Tensor | None = None,
+        indices_tuple: tuple[Tensor, ...] | None = None,
     ) -> Tensor:
+        refuse_indices_tuple(self, indices_tuple, ref_embeddings)  # a miner's tuple: the one-line refusal
         chunk = self.anchor_chunk_size
         if chunk is None or self.variance_weight == 0 or embeddings.shape[0] <= chunk:
             return super().forward(embeddings, labels, ref_embeddings, ref_labels)
