@@ -131,6 +131,15 @@ def test_manifold_hinge_counts_only_violating_proxies():
     assert float(small(z, y).detach()) < float(big(z, y).detach())
 
 
+def test_manifold_hinge_counts_a_proxy_exactly_at_the_margin():
+    """pml drops a proxy only where z < 0: a tie (z = 0) counts, log(1 + e^0) = log 2."""
+    from lightning_dml.losses.manifold import proxy_hinge_lse
+
+    scores = torch.tensor([[0.5, 0.5, 0.2], [0.1, 0.4, 0.4]], dtype=torch.float64)
+    got = proxy_hinge_lse(scores, torch.tensor([0, 2]), 0.0)
+    torch.testing.assert_close(got, torch.tensor(math.log(2.0), dtype=torch.float64))
+
+
 def test_manifold_rejects_bad_settings():
     for kwargs in ({"alpha": 1.0}, {"alpha": 0.0}, {"lambda_c": math.inf}, {"lambda_c": -1.0}):
         with pytest.raises(ValueError, match="ManifoldLoss"):
