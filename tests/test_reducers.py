@@ -216,3 +216,101 @@ def test_default_is_unchanged_and_a_reducer_name_is_accepted(loss):
     assert isinstance(build_loss(loss, reducer="avg_non_zero").reducer, AvgNonZeroReducer)
     chunked = build_loss(loss, reducer="avg_non_zero", anchor_chunk_size=5)(x, labels)
     torch.testing.assert_close(chunked, build_loss(loss, reducer="avg_non_zero")(x, labels))
+
+
+# ------------------------------------------------------------- reducer= on ContrastiveLoss and TripletLoss
+def _pair_losses(loss: str, reducer, pml_reducer):
+    """(ours, pml's) contrastive / triplet losses with the two reducers (batch-hard: pml's loss on its miner's
+    triplets)."""
+    from pytorch_metric_learning import losses as pml_losses
+    from pytorch_metric_learning import miners as pml_miners
+
+    from lightning_dml.losses import ContrastiveLoss, TripletLoss
+
+    if loss == "contrastive":
+        return ContrastiveLoss(0.1, 0.8, reducer=reducer), pml_losses.ContrastiveLoss(0.1, 0.8, reducer=pml_reducer)
+    theirs = pml_losses.TripletMarginLoss(margin=0.2, reducer=pml_reducer)
+    if loss == "triplet_all":
+        return TripletLoss(margin=0.2, reducer=reducer), theirs
+    miner = pml_miners.BatchHardMiner()
+    return TripletLoss(margin=0.2, mining="batch_hard", reducer=reducer), lambda x, y: theirs(x, y, miner(x, y))
+
+
+def _pair_batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """18 unit rows in 6 classes of 3, random or clustered (class centres plus noise: pairs near the margins)."""
+    from tests.test_miners import miner_batch
+
+    return miner_batch(kind, seed=1, per_class=3)
+
+
+PAIR_LOSS_CASES = [(loss, name) for loss in ("contrastive", "triplet_all", "triplet_batch_hard")
+                   for name in sorted(SUPCON_REDUCERS) if not (loss != "contrastive" and name == "per_anchor")]
+
+
+def _value_and_grad(loss, x, labels, **kwargs):
+    x = x.clone().requires_grad_(True)
+    value = loss(x, labels, **kwargs)
+    (grad,) = torch.autograd.grad(value, x)
+    return value.detach(), grad
+
+
+@pytest.mark.parametrize("batch", ["random", "clustered"])
+@pytest.mark.parametrize("loss,name", PAIR_LOSS_CASES)
+def test_contrastive_and_triplet_with_a_reducer_equal_pml_with_it(loss, name, batch):
+    """pml hands its reducer the pairs' (contrastive: positive and negative pairs reduced apart and added) or the
+    triplets' terms, zero terms included: the same value and gradients in fp64, singletons and ties included."""
+    ours, theirs = _pair_losses(loss, *(make() for make in SUPCON_REDUCERS[name]))
+    x, labels = _pair_batch(batch)
+    value, grad = _value_and_grad(ours, x, labels)
+    ref_value, ref_grad = _value_and_grad(theirs, x, labels)
+    assert value.abs() > 0
+    torch.testing.assert_close(value, ref_value, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("name", ["mean", "sum", "avg_non_zero", "threshold"])
+@pytest.mark.parametrize("loss", ["contrastive", "triplet"])
+def test_contrastive_and_triplet_reducer_on_a_miners_tuple_equal_pml(loss, name):
+    """The mined path (indices_tuple) reduces the listed pairs' / triplets' terms with the reducer as pml does."""
+    from pytorch_metric_learning import losses as pml_losses
+
+    from lightning_dml.losses import ContrastiveLoss, TripletLoss
+    from lightning_dml.miners import PairMarginMiner, TripletMarginMiner
+
+    reducer, pml_reducer = (make() for make in SUPCON_REDUCERS[name])
+    x, labels = _pair_batch("clustered")
+    if loss == "contrastive":
+        ours = ContrastiveLoss(0.1, 0.8, reducer=reducer)
+        theirs = pml_losses.ContrastiveLoss(0.1, 0.8, reducer=pml_reducer)
+        tuples = PairMarginMiner(0.3, 0.9)(x, labels)
+    else:
+        ours, theirs = TripletLoss(margin=0.2, reducer=reducer), pml_losses.TripletMarginLoss(0.2, reducer=pml_reducer)
+        tuples = TripletMarginMiner(0.3, "all")(x, labels)
+    assert tuples[0].numel() > 0
+    value, grad = _value_and_grad(ours, x, labels, indices_tuple=tuples)
+    ref_value, ref_grad = _value_and_grad(lambda e, y: theirs(e, y, tuples), x, labels)
+    torch.testing.assert_close(value, ref_value, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-10, atol=1e-13)
+
+
+@pytest.mark.parametrize("loss,kwargs", [("contrastive", {}), ("contrastive", {"squared_hinge": True}),
+                                         ("triplet", {}), ("triplet", {"mining": "batch_hard"})])
+def test_reducers_equal_the_reduction_strings_and_both_at_once_are_refused(loss, kwargs):
+    """avg_non_zero / mean / sum are the reductions mean_nonzero / mean / sum (the closed forms); anchor chunks
+    give the same value; reduction and reducer together, or PerAnchorReducer on triplets, are one-line errors."""
+    from lightning_dml.losses import build_loss
+
+    x, labels = _supcon_batch("random")
+    for reducer, reduction in (("avg_non_zero", "mean_nonzero"), ("mean", "mean"), ("sum", "sum")):
+        expected = build_loss(loss, reduction=reduction, **kwargs)(x, labels)
+        torch.testing.assert_close(build_loss(loss, reducer=reducer, **kwargs)(x, labels), expected)
+        chunked = build_loss(loss, reducer=reducer, anchor_chunk_size=5, **kwargs)(x, labels)
+        torch.testing.assert_close(chunked, expected)
+    with pytest.raises(ValueError, match=r"takes reduction='mean' or reducer='sum', not both"):
+        build_loss(loss, reduction="mean", reducer="sum", **kwargs)
+    with pytest.raises(ValueError, match=r"reduction must be one of"):
+        build_loss(loss, reduction="avg_non_zero", **kwargs)
+    assert "reducer=SumReducer()" in repr(build_loss(loss, reducer="sum", **kwargs))
+    if loss == "triplet":
+        with pytest.raises(ValueError, match=r"TripletLoss cannot take PerAnchorReducer"):
+            build_loss(loss, reducer="per_anchor", **kwargs)

@@ -504,9 +504,10 @@ class PairLoss(nn.Module):
             restrict_masks((a, p, a, n), pos, neg, where=name)  # the triplets agree with the labels
             sim_ap = (anchors[a] * g[p]).sum(dim=1).clamp(-1.0, 1.0)
             sim_an = (anchors[a] * g[n]).sum(dim=1).clamp(-1.0, 1.0)
-            return self.triplet_tuple_loss(sim_ap, sim_an)
+            return self.triplet_tuple_loss(sim_ap, sim_an, (a, p, n))
         pos, neg = restrict_masks(tuples, pos, neg, where=name)
-        if self.closed_form and type(self).pair_loss_and_grad is not PairLoss.pair_loss_and_grad:
+        closed = self.closed_form and self._has_closed_form()  # off per instance too (a pml reducer: autograd)
+        if closed and type(self).pair_loss_and_grad is not PairLoss.pair_loss_and_grad:
             return ClosedFormPairFunction.apply(
                 anchors, gallery, lambda raw: self.pair_loss_and_grad(raw.clamp(-1.0, 1.0), pos, neg)
             )

@@ -6,12 +6,14 @@ import torch
 from torch import Tensor
 
 from lightning_dml.losses.base import ClosedFormPairFunction, PairLoss, batch_normaliser, distance_and_derivative
-from lightning_dml.losses.base import distance_from_similarity
+from lightning_dml.losses.base import distance_from_similarity, similarity_matrix
 from lightning_dml.losses.base import squared_distance_from_similarity
+from lightning_dml.losses.reducers import Reducer, build_reducer
 from lightning_dml.losses.registry import register_loss
-from lightning_dml.miners import negative_mask, positive_pairs
+from lightning_dml.miners import label_masks, negative_mask, positive_pairs
 
-__all__ = ["ContrastiveLoss", "PAIR_REDUCTIONS", "reduce_pair_terms"]
+__all__ = ["ContrastiveLoss", "PAIR_REDUCTIONS", "check_reduction_or_reducer", "reduce_pair_terms",
+           "reducer_on_pairs"]
 
 PAIR_REDUCTIONS = ("mean_nonzero", "mean", "sum")
 
@@ -28,6 +30,29 @@ def reduce_pair_terms(hinge: Tensor, mask: Tensor, reduction: str) -> Tensor:
         return total / batch_normaliser(None, total)
     count = (mask & (hinge > 0)).sum() if reduction == "mean_nonzero" else mask.sum()
     return total / batch_normaliser(count, total)
+
+
+def reducer_on_pairs(reducer: Reducer, terms: Tensor, mask: Tensor, kind: str, labels: Tensor | None) -> Tensor:
+    """``reducer`` (:mod:`lightning_dml.losses.reducers`) of the ``B x N`` terms at the pairs of ``mask``, as pml
+    hands its reducer a loss's ``pos_pair`` / ``neg_pair`` terms with their indices ``(anchors, others)``; the
+    per-anchor reducer counts the ``B`` rows of the matrix as the batch."""
+    rows, cols = mask.nonzero(as_tuple=True)
+    return reducer(terms[rows, cols], kind, (rows, cols), labels, mask.shape[0])
+
+
+def check_reduction_or_reducer(
+    name: str, reduction: str | None, reducer: Reducer | str | None, reductions: tuple[str, ...]
+) -> tuple[str, Reducer | None]:
+    """The loss's ``reduction`` string (default ``reductions[0]``) and its reducer (built from a name); ``ValueError``
+    in one line when both are given (the reducer replaces the reduction) or the reduction is unknown."""
+    if reduction is not None and reducer is not None:
+        raise ValueError(
+            f"{name} takes reduction={reduction!r} or reducer={reducer!r}, not both: the reducer replaces the "
+            f"reduction (pml's AvgNonZeroReducer, MeanReducer and SumReducer are {', '.join(map(repr, reductions))})"
+        )
+    if reduction is not None and reduction not in reductions:
+        raise ValueError(f"reduction must be one of {reductions}, got {reduction!r}")
+    return reduction or reductions[0], build_reducer(reducer) if isinstance(reducer, str) else reducer
 
 
 @register_loss("contrastive")
@@ -52,6 +77,13 @@ class ContrastiveLoss(PairLoss):
         reduction: ``"mean_nonzero"`` (default; positive and negative terms each averaged over their non-zero
             pairs and added, as pytorch-metric-learning does), ``"mean"`` (each averaged over all its pairs) or
             ``"sum"`` (the equation literally).
+        reducer: a pml reducer (:mod:`lightning_dml.losses.reducers`, or its name) in place of ``reduction`` (GPW
+            and Hadsell et al. leave the reduction open): it reduces the positive pairs' terms and the negative
+            pairs' terms separately (every pair of the set, zero terms included) and the two are added, as pml's
+            ``ContrastiveLoss(reducer=...)``; ``"avg_non_zero"``, ``"mean"`` and ``"sum"`` equal the three
+            reductions. Giving both ``reduction`` and ``reducer`` is refused. Computed through autograd (no
+            closed form); ``ClassWeightedReducer`` (weights by the anchor's class) needs one label per item and no
+            ``indices_tuple`` (the mined path reduces without the labels).
         anchor_chunk_size: score the anchors this many at a time, each block's ``B x N`` matrices recomputed in
             the backward (memory ``O(chunk x N)``, same value and gradients; :mod:`lightning_dml.losses.chunking`).
 
@@ -74,14 +106,14 @@ class ContrastiveLoss(PairLoss):
         neg_margin: float = 0.8,
         squared: bool = False,
         squared_hinge: bool = False,
-        reduction: str = "mean_nonzero",
+        reduction: str | None = None,
         anchor_chunk_size: int | None = None,
+        reducer: Reducer | str | None = None,
     ) -> None:
         super().__init__()
         if pos_margin < 0 or neg_margin < 0:
             raise ValueError(f"margins must be >= 0, got pos_margin={pos_margin}, neg_margin={neg_margin}")
-        if reduction not in PAIR_REDUCTIONS:
-            raise ValueError(f"reduction must be one of {PAIR_REDUCTIONS}, got {reduction!r}")
+        reduction, self.reducer = check_reduction_or_reducer("ContrastiveLoss", reduction, reducer, PAIR_REDUCTIONS)
         self.pos_margin, self.neg_margin = float(pos_margin), float(neg_margin)
         self.squared, self.squared_hinge, self.reduction = squared, squared_hinge, reduction
         self.set_anchor_chunk_size(anchor_chunk_size)
@@ -89,14 +121,22 @@ class ContrastiveLoss(PairLoss):
     def extra_repr(self) -> str:
         return (
             f"pos_margin={self.pos_margin}, neg_margin={self.neg_margin}, squared={self.squared}, "
-            f"squared_hinge={self.squared_hinge}, reduction={self.reduction!r}"
+            f"squared_hinge={self.squared_hinge}, "
+            + (f"reducer={self.reducer!r}" if self.reducer is not None else f"reduction={self.reduction!r}")
         )
 
-    def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
+    def _has_closed_form(self) -> bool:
+        return self.reducer is None  # a reducer runs through autograd (pair_loss)
+
+    def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor, labels: Tensor | None = None) -> Tensor:
         dist = squared_distance_from_similarity(sim) if self.squared else distance_from_similarity(sim)
         hp = torch.relu(dist - self.pos_margin)
         hn = torch.relu(self.neg_margin - dist)
         lp, ln = (hp * hp, hn * hn) if self.squared_hinge else (hp, hn)
+        if self.reducer is not None:
+            return reducer_on_pairs(self.reducer, lp, pos, "pos_pair", labels) + reducer_on_pairs(
+                self.reducer, ln, neg, "neg_pair", labels
+            )
         return reduce_pair_terms(lp, pos, self.reduction) + reduce_pair_terms(ln, neg, self.reduction)
 
     def pair_loss_and_grad(self, sim: Tensor, pos: Tensor, neg: Tensor) -> tuple[Tensor, Tensor]:
@@ -126,6 +166,10 @@ class ContrastiveLoss(PairLoss):
         largest non-self similarity can reach the negative margin (``D < m2`` <=> ``S > 1 - m2^2 / 2``). Every
         value is computed with the same element-wise formulas as :meth:`pair_loss`.
         """
+        if self.reducer is not None:  # autograd, with the labels for the reducer (ClassWeightedReducer)
+            pos, neg = label_masks(labels, gallery_labels)
+            g = anchors if gallery is None else gallery
+            return self.pair_loss(similarity_matrix(anchors, g), pos, neg, labels if labels.ndim == 1 else None)
         if not self.closed_form:
             return super().compute(anchors, labels, gallery, gallery_labels)
         B = anchors.shape[0]

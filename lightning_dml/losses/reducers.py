@@ -24,8 +24,9 @@ all give 0 (pml's mean of an empty tensor is NaN), and a pair given twice counts
 sum divide by :func:`~lightning_dml.losses.base.batch_normaliser` of their count, the divisor the library's own
 reductions use (``max(count, 1)`` in one process; all-reduced inside
 :func:`~lightning_dml.losses.base.global_reduction`). The losses that take a ``reducer``
-(:class:`~lightning_dml.losses.SupConLoss`, :class:`~lightning_dml.losses.NCALoss`) with one equal one process
-holding the global batch under ``gather_distributed`` (``tests/distributed/run_gather_loss.py``).
+(:class:`~lightning_dml.losses.SupConLoss`, :class:`~lightning_dml.losses.NCALoss`,
+:class:`~lightning_dml.losses.ContrastiveLoss`, :class:`~lightning_dml.losses.TripletLoss`) with one equal one
+process holding the global batch under ``gather_distributed`` (``tests/distributed/run_gather_loss.py``).
 """
 
 from __future__ import annotations

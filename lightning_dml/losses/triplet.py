@@ -6,7 +6,9 @@ import torch
 from torch import Tensor
 
 from lightning_dml.losses.base import ClosedFormPairFunction, PairLoss, batch_normaliser, distance_and_derivative
-from lightning_dml.losses.base import distance_from_similarity, squared_distance_from_similarity
+from lightning_dml.losses.base import distance_from_similarity, similarity_matrix, squared_distance_from_similarity
+from lightning_dml.losses.contrastive import check_reduction_or_reducer
+from lightning_dml.losses.reducers import PerAnchorReducer, Reducer
 from lightning_dml.losses.registry import register_loss
 from lightning_dml.miners import batch_hard_mining, label_masks, positive_index
 from lightning_dml.miners.mining import positive_table
@@ -36,6 +38,13 @@ class TripletLoss(PairLoss):
         squared: squared distances (Eq. 37).
         reduction: ``"mean_nonzero"`` (default: mean over triplets with a non-zero hinge, as pytorch-metric-
             learning's AvgNonZeroReducer), ``"mean"`` (over all considered triplets) or ``"sum"``.
+        reducer: a pml reducer (:mod:`lightning_dml.losses.reducers`, or its name) of the considered triplets'
+            terms in place of ``reduction`` (the paper leaves the reduction open), as pml's
+            ``TripletMarginLoss(reducer=...)`` (its triplets' ``"triplet"`` terms, zero terms included);
+            ``"avg_non_zero"``, ``"mean"`` and ``"sum"`` equal the three reductions. Giving both ``reduction`` and
+            ``reducer`` is refused, and so is ``PerAnchorReducer`` (pml's does not reduce triplets). Computed
+            through autograd (no closed form); ``ClassWeightedReducer`` (weights by the anchor's class) needs one
+            label per item and no ``indices_tuple`` (the mined path reduces without the labels).
         anchor_chunk_size: score the anchors this many at a time, each block's ``B x N`` matrices recomputed in
             the backward (memory ``O(chunk x N)``, same value and gradients; :mod:`lightning_dml.losses.chunking`).
 
@@ -57,42 +66,58 @@ class TripletLoss(PairLoss):
         margin: float = 0.1,
         mining: str = "all",
         squared: bool = False,
-        reduction: str = "mean_nonzero",
+        reduction: str | None = None,
         anchor_chunk_size: int | None = None,
+        reducer: Reducer | str | None = None,
     ) -> None:
         super().__init__()
         if margin < 0:
             raise ValueError(f"margin must be >= 0, got {margin}")
         if mining not in _MINING:
             raise ValueError(f"mining must be one of {_MINING}, got {mining!r}")
-        if reduction not in _REDUCTIONS:
-            raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+        reduction, self.reducer = check_reduction_or_reducer("TripletLoss", reduction, reducer, _REDUCTIONS)
+        if isinstance(self.reducer, PerAnchorReducer):
+            raise ValueError("TripletLoss cannot take PerAnchorReducer: it reduces pairs, not triplets (as pml's)")
         self.margin, self.mining, self.squared, self.reduction = float(margin), mining, squared, reduction
         self.set_anchor_chunk_size(anchor_chunk_size)
 
     def extra_repr(self) -> str:
-        return f"margin={self.margin}, mining={self.mining!r}, squared={self.squared}, reduction={self.reduction!r}"
+        reduce = f"reducer={self.reducer!r}" if self.reducer is not None else f"reduction={self.reduction!r}"
+        return f"margin={self.margin}, mining={self.mining!r}, squared={self.squared}, {reduce}"
 
     def _reduce(self, hinge: Tensor, considered: Tensor) -> Tensor:
         total = (hinge * considered).sum()
         return total / self._count(considered & (hinge > 0), considered.sum(), total)
 
-    def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor) -> Tensor:
+    def _has_closed_form(self) -> bool:
+        return self.reducer is None  # a reducer runs through autograd (pair_loss)
+
+    def pair_loss(self, sim: Tensor, pos: Tensor, neg: Tensor, labels: Tensor | None = None) -> Tensor:
         dist = squared_distance_from_similarity(sim) if self.squared else distance_from_similarity(sim)
         if self.mining == "batch_hard":
             hard_pos, hard_neg = batch_hard_mining(dist, pos, neg)
             has = hard_pos.any(1) & hard_neg.any(1)
             hinge = torch.relu((dist * hard_pos).sum(1) - (dist * hard_neg).sum(1) + self.margin)
+            if self.reducer is not None:  # each anchor's one triplet (a, its farthest p, its closest n)
+                (a,) = has.nonzero(as_tuple=True)
+                triplets = (a, hard_pos.to(torch.uint8).argmax(1)[a], hard_neg.to(torch.uint8).argmax(1)[a])
+                return self.reducer(hinge[a], "triplet", triplets, labels, sim.shape[0])
             return self._reduce(hinge, has)
         index, valid = positive_index(pos)
         d_pos = dist.gather(1, index)
         considered = valid[:, :, None] & neg[:, None, :]
         hinge = torch.relu(d_pos[:, :, None] - dist[:, None, :] + self.margin)
+        if self.reducer is not None:  # the considered triplets (a, index[a, k], n), as pml lists all triplets
+            a, k, n = considered.nonzero(as_tuple=True)
+            return self.reducer(hinge[a, k, n], "triplet", (a, index[a, k], n), labels, sim.shape[0])
         return self._reduce(hinge, considered)
 
-    def triplet_tuple_loss(self, sim_ap: Tensor, sim_an: Tensor) -> Tensor:
+    def triplet_tuple_loss(
+        self, sim_ap: Tensor, sim_an: Tensor, triplets: tuple[Tensor, Tensor, Tensor] | None = None
+    ) -> Tensor:
         """Eq. 12 over given triplets (a miner's ``(a, p, n)`` as ``indices_tuple``; ``[T]`` similarities of their
-        anchor-positive and anchor-negative pairs), reduced by ``reduction`` over the ``T`` triplets."""
+        anchor-positive and anchor-negative pairs), reduced by ``reduction`` (or ``reducer``, which needs the
+        ``triplets`` themselves) over the ``T`` triplets."""
         if self.mining != "all":
             raise ValueError(
                 f"TripletLoss(mining={self.mining!r}) mines its own triplets; a triplet indices_tuple needs mining='all'"
@@ -102,6 +127,10 @@ class TripletLoss(PairLoss):
         else:
             d_ap, d_an = distance_from_similarity(sim_ap), distance_from_similarity(sim_an)
         hinge = torch.relu(d_ap - d_an + self.margin)
+        if self.reducer is not None:
+            if triplets is None:
+                raise ValueError("TripletLoss with a reducer needs the triplets (a, p, n) of the terms it reduces")
+            return self.reducer(hinge, "triplet", triplets, None, None)
         return self._reduce(hinge, torch.ones_like(hinge, dtype=torch.bool))
 
     def _count(self, active: Tensor, considered_count: Tensor, like: Tensor) -> Tensor:
@@ -138,6 +167,10 @@ class TripletLoss(PairLoss):
     # --------------------------------------------------------------------------- fast closed form ("all")
     def compute(self, anchors: Tensor, labels: Tensor, gallery: Tensor | None, gallery_labels: Tensor) -> Tensor:
         """Closed form for ``mining="all"`` on float ``[B, K, N]`` tensors, positives from the sorted labels."""
+        if self.reducer is not None:  # autograd, with the labels for the reducer (ClassWeightedReducer)
+            pos, neg = label_masks(labels, gallery_labels)
+            g = anchors if gallery is None else gallery
+            return self.pair_loss(similarity_matrix(anchors, g), pos, neg, labels if labels.ndim == 1 else None)
         if not self.closed_form or self.mining != "all":
             return super().compute(anchors, labels, gallery, gallery_labels)
 

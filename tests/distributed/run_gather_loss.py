@@ -76,6 +76,15 @@ def _variants() -> dict[str, tuple[str, dict]]:
         for reducer in ("sum", "avg_non_zero", "per_anchor"):
             cases[f"{loss}_reducer_{reducer}"] = (loss, {"reducer": reducer})
         cases[f"{loss}_reducer_threshold"] = (loss, {"reducer": ThresholdReducer(high=2.5)})
+    # pml reducers of the contrastive pairs' and the triplets' terms
+    for reducer in ("sum", "avg_non_zero", "per_anchor"):
+        cases[f"contrastive_reducer_{reducer}"] = ("contrastive", {"reducer": reducer})
+    cases["contrastive_reducer_threshold"] = ("contrastive", {"reducer": ThresholdReducer(low=0.05)})
+    for reducer in ("sum", "mean"):
+        cases[f"triplet_reducer_{reducer}"] = ("triplet", {"reducer": reducer})
+    cases["triplet_batch_hard_reducer_threshold"] = (
+        "triplet", {"mining": "batch_hard", "reducer": ThresholdReducer(low=0.05)}
+    )
     return cases
 
 
