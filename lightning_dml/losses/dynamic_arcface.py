@@ -1,5 +1,5 @@
 """Sub-center ArcFace with dynamic margins (Ha, Liu, Liu and Liao, "Google Landmark Recognition 2020 Competition
-Third Place Solution", arXiv 2010.05350, Sec. 3; pytorch-metric-learning 3.0's ``DynamicArcFaceLoss``)."""
+Third Place Solution", arXiv 2010.05350; pytorch-metric-learning 3.0's ``DynamicArcFaceLoss``)."""
 
 from __future__ import annotations
 
