@@ -25,7 +25,7 @@ is kept), so a change in the machine's load hits every option alike. A row whose
 than ``--max-gib`` (estimated from the same row at the previous batch size, scaled by the batch) is skipped and
 marked so. Run::
 
-    python bench/memory.py                         # the table of docs/benchmarks.md
+    python bench/memory.py --steps 1               # the table of docs/benchmarks.md
     python bench/memory.py --dry-run               # tiny models and batches: a smoke test of the script
 
 prints one markdown row per (batch, model, option) and the targets' verdicts.
