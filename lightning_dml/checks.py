@@ -49,8 +49,18 @@ def check_fit_combination(loss: Any, datamodule: Any) -> None:
         return
     if not getattr(loss, "supports_label_sets", False) and _yields_label_sets(datamodule):
         raise label_sets_error(loss)
+    views = getattr(datamodule, "views", None)
+    if type(loss).__name__ == "SelfSupervisedLoss" and views is not None and int(views) < 2:
+        # its labels must be item ids: class labels that happen to repeat V times would train the inner loss
+        # supervised, silently
+        raise ValueError(
+            f"{_loss_name(loss)} needs two or more augmented views of each item, but {type(datamodule).__name__} "
+            f"gives views={views}: set views: 2 (or more) on the data module"
+        )
     if not getattr(loss, "needs_positive_pairs", True):
         return
+    if views is not None and int(views) >= 2:
+        return  # every item's other views are its positives (labels are item ids)
     k = getattr(datamodule, "samples_per_class", None)
     if k is not None and int(k) < 2:
         sampler = getattr(loss, "required_sampler", None)
