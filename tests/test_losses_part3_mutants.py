@@ -219,3 +219,133 @@ def test_hier_completes_with_sizes_of_one():
     assert loss.embedding_dim == 1 and loss.proxies.shape == (4, 1)
     with pytest.raises(ValueError, match="num_classes"):
         build_loss("hier", base="supcon", num_proxies=4).complete(num_classes=0, embedding_dim=3)
+
+
+# ------------------------------------------------------------------------------------------ second sample (seed 30)
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("multi_supcon", {"threshold": 1.0}),
+        ("selectively_contrastive_triplet", {"penalty": -0.5}),
+    ],
+)
+def test_part3_losses_refuse_out_of_range_arguments_2(name, kwargs):
+    with pytest.raises(ValueError):
+        build_loss(name, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("intra_pair_variance", {"pos_eps": 0.0, "neg_eps": 0.0}),
+        ("vicreg", {"invariance_lambda": 0.5, "variance_mu": 0.5, "covariance_v": 0.5, "eps": 0.5}),
+    ],
+)
+def test_part3_losses_accept_the_edges_of_their_ranges(name, kwargs):
+    """``>= 0`` admits 0 and ``> 0`` admits every positive value (below 1 included)."""
+    loss = build_loss(name, **kwargs)
+    for key, value in kwargs.items():
+        assert getattr(loss, key) == value
+
+
+def test_miners_settings_ranges():
+    from lightning_dml.miners.angular_miner import AngularMiner
+    from lightning_dml.miners.uniform_histogram import UniformHistogramMiner
+
+    UniformHistogramMiner(num_bins=1, pos_per_bin=1, neg_per_bin=1)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="num_bins"):
+            UniformHistogramMiner(num_bins=bad)
+    AngularMiner(angle=0.0)
+    with pytest.raises(ValueError, match="angle"):
+        AngularMiner(angle=-0.5)
+
+
+def test_miner_reference_zero_row_is_the_zero_vector():
+    """A zero reference embedding normalises to the zero vector (cosine 0, distance sqrt 2 to every unit vector),
+    as a zero batch embedding does: with ``neg_margin = 1.5`` it is a negative of every anchor of another class."""
+    from lightning_dml.miners.pair_margin import PairMarginMiner
+
+    x = torch.eye(3, dtype=torch.float64)
+    y = torch.tensor([0, 0, 1])
+    ref = torch.zeros(1, 3, dtype=torch.float64)
+    _, _, a2, n2 = PairMarginMiner(pos_margin=0.0, neg_margin=1.5)(x, y, ref, torch.tensor([2]))
+    negatives = {(int(a), int(n)) for a, n in zip(a2, n2)}
+    # brute force: every (anchor, other-label column) with distance < 1.5; the batch's are sqrt 2, the ref's sqrt 2
+    assert negatives == {(0, 2), (1, 2), (2, 0), (2, 1), (0, 3), (1, 3), (2, 3)}
+
+
+def test_dynamic_soft_margin_in_eval_mode_with_an_empty_histogram_uses_the_batch():
+    """``eval()`` before any training batch: the histogram is empty, so the batch's own histogram weights the
+    triplets (without being stored), as the paper loop with ``train=False``."""
+    from tests import reference_losses_part3a as ref
+
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(10, 6, generator=g, dtype=torch.float64)
+    y = torch.tensor([0, 0, 1, 1, 2, 2, 0, 1, 2, 3])
+    loss = build_loss("dynamic_soft_margin").double().eval()
+    theirs = ref.DynamicSoftMargin()
+    torch.testing.assert_close(loss(z, y), theirs(z, ref.same_label(y), train=False), rtol=1e-10, atol=1e-12)
+    assert float(loss(z, y)) != 0.0 and not bool(loss.histogram.any())
+
+
+def test_hyp_vit_loss_is_exact_with_a_wide_spread_of_distances():
+    """Hyp-ViT's cross-entropy with distances spread over [0, 400] at tau = 0.2 (logits down to -2000): a loop of
+    log-sum-exps in fp64 (module docstring's definition; two views of two classes, every view pair has 2 anchors)."""
+    from lightning_dml.losses.hyperbolic import hyp_vit_loss
+
+    labels = torch.tensor([0, 0, 1, 1])  # views: items 0, 2 are view 0; items 1, 3 view 1
+    views = [0, 1, 0, 1]
+    # item 1 is far from everything: its log-sum-exps (logits -1500 .. -2000) underflow without the max shift
+    d = torch.tensor([[0.0, 400.0, 3.0, 1.0], [400.0, 0.0, 300.0, 350.0], [3.0, 300.0, 0.0, 250.0],
+                      [1.0, 350.0, 250.0, 0.0]], dtype=torch.float64)
+    tau = 0.2
+    expected = torch.zeros((), dtype=torch.float64)
+    for a in range(4):
+        for p in range(4):
+            if p == a or labels[p] != labels[a]:
+                continue
+            cand = [n for n in range(4) if n != a and views[n] in (views[a], views[p])]
+            ce = d[a, p] / tau + torch.logsumexp(-d[a, cand] / tau, dim=0)
+            expected = expected + ce / 2.0
+    got = hyp_vit_loss(d, labels, tau)
+    assert torch.isfinite(got)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_p2sgrad_zero_class_weight_is_the_zero_vector():
+    """A zero class weight normalises to the zero vector (``F.normalize``'s ``eps = 1e-12``): cosines 0, a finite
+    loss and gradients equal to the autograd of the definition."""
+    from lightning_dml.losses.p2sgrad import P2SGradFunction
+
+    g = torch.Generator().manual_seed(11)
+    x = torch.nn.functional.normalize(torch.randn(4, 5, generator=g, dtype=torch.float64), dim=1)
+    proxies = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    proxies[1] = 0.0
+    labels = torch.tensor([0, 1, 2, 1])
+    xa, pa = x.clone().requires_grad_(), proxies.clone().requires_grad_()
+    ours = P2SGradFunction.apply(xa, pa, labels)
+    ours.backward()
+    xr, pr = x.clone().requires_grad_(), proxies.clone().requires_grad_()
+    cos = (xr @ torch.nn.functional.normalize(pr, dim=1, eps=1e-12).T).clamp(-1.0, 1.0)
+    ref = ((cos - torch.nn.functional.one_hot(labels, 3).to(cos.dtype)) ** 2).mean()
+    ref.backward()
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(xa.grad, xr.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_angular_miner_exact_duplicates_give_pmls_angle():
+    """Three identical embeddings (not orthogonal to the all-ones vector): the distances carry
+    ``pairwise_distance``'s ``eps``, so the angle is ``atan(1/2)`` = 26.6 degrees (the class docstring), above 20:
+    the triplet is mined, as by pml's AngularMiner."""
+    from lightning_dml.miners.angular_miner import AngularMiner
+
+    v = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    x = torch.stack([v, v, v])
+    y = torch.tensor([0, 0, 1])
+    ours = {tuple(int(t) for t in trip) for trip in zip(*AngularMiner(angle=20.0)(x, y))}
+    assert ours == {(0, 1, 2), (1, 0, 2)}
+    assert not {tuple(int(t) for t in trip) for trip in zip(*AngularMiner(angle=27.0)(x, y))}
+    pml_miners = pytest.importorskip("pytorch_metric_learning.miners")
+    theirs = pml_miners.AngularMiner(angle=20)(x, y)
+    assert {tuple(int(t) for t in trip) for trip in zip(*theirs)} == ours
