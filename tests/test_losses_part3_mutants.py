@@ -349,3 +349,14 @@ def test_angular_miner_exact_duplicates_give_pmls_angle():
     pml_miners = pytest.importorskip("pytorch_metric_learning.miners")
     theirs = pml_miners.AngularMiner(angle=20)(x, y)
     assert {tuple(int(t) for t in trip) for trip in zip(*theirs)} == ours
+
+
+def test_uniform_histogram_bins_are_closed_below():
+    """Bin ``i`` holds ``e_i <= v < e_{i+1}`` (pml's edges): a value on an inner edge belongs to the upper bin. With
+    values 0, 1, 2 and two bins (edges 0, 1, 2), bin 0 is {0} and bin 1 is {1, 2}: all of bin 0's draws are item 0."""
+    from lightning_dml.miners.uniform_histogram import uniform_histogram_draw
+
+    values = torch.tensor([0.0, 1.0, 2.0], dtype=torch.float64)
+    drawn = uniform_histogram_draw(values, 2, 40, torch.Generator().manual_seed(0))
+    assert drawn.numel() == 80
+    assert int((drawn == 0).sum()) == 40 and bool((drawn[40:] >= 1).all())
