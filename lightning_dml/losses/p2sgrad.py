@@ -25,7 +25,7 @@ class P2SGradFunction(torch.autograd.Function):
         unit = proxies / norms
         cos = x @ unit.T
         rows = torch.arange(x.shape[0], device=labels.device)
-        inside = cos.abs() <= 1.0
+        inside = cos.abs() < 1.0  # no gradient at the clamp's bounds (torch >= 2.14's clamp, pml's P2SGradLoss)
         cos.clamp_(-1.0, 1.0)
         target = cos[rows, labels]
         loss = (cos.square().sum() + ((target - 1.0).square() - target.square()).sum()) / cos.numel()
