@@ -295,22 +295,27 @@ class DMLCLI(LightningCLI):
             help="fit: replace the checkpoints another run left in the checkpoint folder (without it such a fit "
             "is refused unless it resumes with --ckpt_path last; lightning_dml/runs.py)",
         )
-        if getattr(parser, "command", None) in (None, "predict"):  # predict's (and a saved predict config's)
-            parser.add_argument(
-                "--output",
-                type=str | None,
-                default=None,
-                help="the file predict writes (default: predictions.pt in the run's folder); written atomically, "
-                "its path and contents printed; a folder or a place that cannot be written is refused before the "
-                "model runs",
-            )
+        # on every command, as the options above: a config dumped from the main parser (sweep's best.yaml, cv's
+        # fold configs) holds ``output: null`` and must load in ``fit``; a value is refused outside predict
+        # (parse_arguments)
+        parser.add_argument(
+            "--output",
+            type=str | None,
+            default=None,
+            help="predict: the file predict writes (default: predictions.pt in the run's folder); written "
+            "atomically, its path and contents printed; a folder or a place that cannot be written is refused "
+            "before the model runs",
+        )
 
     # ------------------------------------------------------------------------------------- the checkpoint to load
     def parse_arguments(self, parser: Any, args: Any) -> None:
         """Parse as LightningCLI does, then check ``--ckpt_path`` (:meth:`check_checkpoint`) before LightningCLI
         reads the checkpoint's hyper-parameters into the config."""
         super().parse_arguments(parser, args)
-        quiet_dependency_warnings(self.config.get("subcommand"))
+        subcommand = self.config.get("subcommand")
+        quiet_dependency_warnings(subcommand)
+        if subcommand and subcommand != "predict" and self.config[subcommand].get("output") is not None:
+            raise UserInputError(f"--output is an option of predict; {subcommand} writes no predictions file")
         self.check_checkpoint(parser, args)
 
     def check_checkpoint(self, parser: Any, args: Any) -> None:

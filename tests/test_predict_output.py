@@ -13,6 +13,8 @@ import torch
 from lightning_dml.callbacks.predictions import check_output_path
 from lightning_dml.errors import UserInputError
 
+GLYPHS = str(Path(__file__).resolve().parents[1] / "configs" / "glyphs.yaml")
+
 
 def test_output_places_that_are_refused(tmp_path: Path, monkeypatch):
     monkeypatch.chdir(tmp_path)
@@ -56,3 +58,18 @@ def test_index_embeddings_print_no_predict_line(tmp_path: Path, capsys):
     assert embeddings.shape == (3, 8) and torch.isfinite(embeddings).all()
     out = capsys.readouterr().out
     assert "lightning-dml predict: wrote" not in out and "no checkpoint" not in out, out
+
+
+@pytest.mark.parametrize("command", ["fit", "test", "validate"])
+def test_output_is_refused_outside_predict_and_null_is_accepted(command, tmp_path: Path):
+    """Every parser takes ``--output`` (a config dumped from the main parser, as sweep's best.yaml, holds
+    ``output: null`` and must load in ``fit``), but a value outside ``predict`` is an error, not silently ignored."""
+    from lightning_dml.cli import build_cli
+
+    with pytest.raises(UserInputError, match=f"--output is an option of predict; {command} writes"):
+        build_cli([command, "--config", GLYPHS, "--output", str(tmp_path / "p.pt"), "--trainer.logger", "false"])
+    config = tmp_path / "c.yaml"
+    config.write_text("output: null\ntrainer:\n  logger: false\n")
+    with pytest.raises(SystemExit) as exit_info:
+        build_cli([command, "--config", GLYPHS, "--config", str(config), "--print_config"])
+    assert exit_info.value.code == 0
