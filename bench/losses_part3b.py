@@ -5,7 +5,7 @@ Usage::
     OMP_NUM_THREADS=1 python bench/losses_part3b.py --clock thread            # B = 512 and 2048, dim 512, CPU
     OMP_NUM_THREADS=1 python bench/losses_part3b.py --batch 512 --cases pnp --repeats 9
 
-The same protocol as ``bench/losses.py`` (whose ``run_once`` and ``CLOCKS`` it uses): for every (case, batch) ours
+The protocol of ``bench/pml_table.py`` (``bench/losses.py``'s ``run_once`` and ``CLOCKS``): for every (case, batch) ours
 and pml's run interleaved (ours, pml, ours, pml, ...) on the same embeddings and labels (P x 4), ``--repeats``
 times each after one warm-up, and the medians are reported with their ratio (ours / pml; < 1 means faster); the
 two values are checked equal first. Cases:
@@ -29,12 +29,9 @@ two values are checked equal first. Cases:
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
 import sys
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 
@@ -42,7 +39,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from losses import CLOCKS, run_once  # noqa: E402  (bench/losses.py: the shared timing protocol)
+from pml_table import main as run_table, time_pair  # noqa: E402  (the part-3 scripts' one protocol)
 
 CASES = ["p2sgrad", "pnp", "snr_contrastive", "sphereface", "threshold_consistent_margin", "vicreg",
          "multi_supcon", "decoupled_contrastive", "selectively_contrastive_triplet"]
@@ -118,49 +115,12 @@ def time_case(case: str, batch: int, dim: int, repeats: int, num_classes: int, c
     ours, theirs = make_pair(case, num_classes, dim)
     data, labels = make_data(case, batch, dim, num_classes)
     with_pml = batch <= PML_MAX_BATCH.get(case, batch)
-    tick = CLOCKS[clock]
-    run_once(ours, data, labels, "cpu", tick)  # warm-up
-    diff = float("nan")
-    if with_pml:
-        run_once(theirs, data, labels, "cpu", tick)
-        if case not in NOT_EQUAL:
-            with torch.no_grad():
-                mine, other = float(ours(data, labels)), float(theirs(data, labels))
-            diff = abs(mine - other) / max(abs(other), 1e-12)
-    t_ours: List[float] = []
-    t_pml: List[float] = []
-    for _ in range(repeats):
-        t_ours.append(run_once(ours, data, labels, "cpu", tick))
-        if with_pml:
-            t_pml.append(run_once(theirs, data, labels, "cpu", tick))
-    mo = statistics.median(t_ours)
-    mp = statistics.median(t_pml) if t_pml else float("nan")
-    return {"ours_ms": 1e3 * mo, "pml_ms": 1e3 * mp, "ratio": mo / mp, "value_rel_diff": diff}
+    value_pair = None if case in NOT_EQUAL else (lambda: (ours, theirs))
+    return time_pair(ours, theirs, data, labels, repeats, clock, with_pml, value_pair)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
-    parser.add_argument("--batch", nargs="+", type=int, default=[512, 2048])
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--num-classes", type=int, default=11318)
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
-    parser.add_argument("--json", action="store_true", help="one JSON line per case instead of the table")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    if not args.json:
-        print(f"torch threads {torch.get_num_threads()}, clock {args.clock}, dim {args.dim}, repeats {args.repeats}")
-        print("| loss | B | ours ms | pml ms | ours/pml | value rel. diff |")
-        print("|---|---|---|---|---|---|")
-    for case in args.cases:
-        for batch in args.batch:
-            row = time_case(case, batch, args.dim, args.repeats, args.num_classes, args.clock)
-            if args.json:
-                print(json.dumps({"case": case, "batch": batch, **row}), flush=True)
-            else:
-                print(f"| {case} | {batch} | {row['ours_ms']:.1f} | {row['pml_ms']:.1f} | {row['ratio']:.3f} | "
-                      f"{row['value_rel_diff']:.1e} |", flush=True)
+    run_table(__doc__.split("\n")[0], CASES, time_case)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,8 @@ Usage::
     OMP_NUM_THREADS=1 python bench/losses_part3c.py --clock thread            # B = 512 and 2048, dim 512, CPU
     OMP_NUM_THREADS=1 python bench/losses_part3c.py --batch 512 --cases manifold --repeats 9
 
-The protocol of ``bench/losses.py`` (its ``run_once`` and ``CLOCKS``) and ``bench/losses_part3b.py`` (its
-``time_case``, which interleaves ours and pml's on the same embeddings and labels and checks the values first); the
-cases are built here. Cases:
+The protocol of ``bench/pml_table.py`` (``bench/losses.py``'s ``run_once`` and ``CLOCKS``, ours and pml's interleaved
+on the same embeddings and labels, the values checked first); the cases are built here. Cases:
 
 * ``instance``: P x 4 class labels, ``gamma = 64`` on both sides.
 * ``manifold``: ``K = 50`` proxies (pml's default), item ``i``'s proxy ``label mod 50`` (pml's ``indices_tuple``);
@@ -22,11 +21,9 @@ cases are built here. Cases:
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
-from typing import Callable, Tuple
+from typing import Callable, Dict, Tuple
 
 import torch
 
@@ -34,8 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-import losses_part3b  # noqa: E402  (bench/losses_part3b.py: the interleaved timing of ours against pml)
-from losses import CLOCKS  # noqa: E402  (bench/losses.py: the shared clocks)
+from pml_table import main as run_table, time_pair  # noqa: E402  (the part-3 scripts' one protocol)
 
 CASES = ["instance", "manifold", "dynamic_arcface", "self_supervised_ntxent", "self_supervised_contrastive"]
 #: pml's NT-Xent forms a (positive pairs x negative pairs) mask; pml's ManifoldLoss a K x B x (B + K) cosine tensor
@@ -123,32 +119,15 @@ def make_data(case: str, batch: int, dim: int, num_classes: int, seed: int = 0) 
     return torch.randn(batch, dim, generator=g), labels
 
 
+def time_case(case: str, batch: int, dim: int, repeats: int, num_classes: int, clock: str) -> Dict[str, float]:
+    ours, theirs = make_pair(case, num_classes, dim)
+    data, labels = make_data(case, batch, dim, num_classes)
+    with_pml = batch <= PML_MAX_BATCH.get(case, batch)
+    return time_pair(ours, theirs, data, labels, repeats, clock, with_pml, lambda: (ours, theirs))
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--cases", nargs="+", default=CASES, choices=CASES)
-    parser.add_argument("--batch", nargs="+", type=int, default=[512, 2048])
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--num-classes", type=int, default=11318)
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall")
-    parser.add_argument("--json", action="store_true", help="one JSON line per case instead of the table")
-    args = parser.parse_args()
-    # part 3b's interleaved timing, on this file's cases
-    losses_part3b.make_pair, losses_part3b.make_data = make_pair, make_data
-    losses_part3b.PML_MAX_BATCH, losses_part3b.NOT_EQUAL = PML_MAX_BATCH, set()
-    torch.manual_seed(0)
-    if not args.json:
-        print(f"torch threads {torch.get_num_threads()}, clock {args.clock}, dim {args.dim}, repeats {args.repeats}")
-        print("| loss | B | ours ms | pml ms | ours/pml | value rel. diff |")
-        print("|---|---|---|---|---|---|")
-    for case in args.cases:
-        for batch in args.batch:
-            row = losses_part3b.time_case(case, batch, args.dim, args.repeats, args.num_classes, args.clock)
-            if args.json:
-                print(json.dumps({"case": case, "batch": batch, **row}), flush=True)
-            else:
-                print(f"| {case} | {batch} | {row['ours_ms']:.1f} | {row['pml_ms']:.1f} | {row['ratio']:.3f} | "
-                      f"{row['value_rel_diff']:.1e} |", flush=True)
+    run_table(__doc__.split("\n")[0], CASES, time_case)
 
 
 if __name__ == "__main__":
