@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from lightning_dml.losses.proxies import ProxyLoss
+from lightning_dml.losses.proxies import ProxyLoss, unit_rows, unit_rows_backward_
 from lightning_dml.losses.registry import register_loss
 
 __all__ = ["P2SGradLoss", "P2SGradFunction"]
@@ -21,8 +21,7 @@ class P2SGradFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:  # type: ignore[override]
-        norms = torch.linalg.vector_norm(proxies, dim=1, keepdim=True).clamp_(min=1e-12)
-        unit = proxies / norms
+        unit, norms = unit_rows(proxies)
         cos = x @ unit.T
         rows = torch.arange(x.shape[0], device=labels.device)
         inside = cos.abs() < 1.0  # no gradient at the clamp's bounds (torch >= 2.14's clamp, pml's P2SGradLoss)
@@ -43,9 +42,7 @@ class P2SGradFunction(torch.autograd.Function):
         grad_x = grad @ unit if ctx.needs_input_grad[0] else None
         grad_p = None
         if ctx.needs_input_grad[1]:
-            grad_p = grad.T @ x
-            along = torch.einsum("cd,cd->c", grad_p, unit)
-            grad_p.addcmul_(unit, along[:, None], value=-1.0).div_(norms)
+            grad_p = unit_rows_backward_(grad.T @ x, unit, norms)
         return grad_x, grad_p, None
 
 

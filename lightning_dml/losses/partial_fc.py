@@ -120,9 +120,9 @@ class _CosineToProxies(torch.autograd.Function):
         grad_x = grad @ unit if ctx.needs_input_grad[0] else None
         grad_p = None
         if ctx.needs_input_grad[1]:
-            grad_p = grad.T @ x
-            along = torch.einsum("cd,cd->c", grad_p, unit)
-            grad_p.addcmul_(unit, along[:, None], value=-1.0).div_(norms)
+            from lightning_dml.losses.proxies import unit_rows_backward_  # proxies imports this module
+
+            grad_p = unit_rows_backward_(grad.T @ x, unit, norms)
         return grad_x, grad_p
 
 

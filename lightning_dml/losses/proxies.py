@@ -59,6 +59,13 @@ def unit_rows(proxies: Tensor) -> tuple[Tensor, Tensor]:
     return unit.div_(norms), norms.mul_(scale)
 
 
+def unit_rows_backward_(grad_unit: Tensor, unit: Tensor, norms: Tensor) -> Tensor:
+    """The gradient with respect to the rows from ``grad_unit``, the one with respect to their unit rows ``u = p / n``
+    (:func:`unit_rows`): ``(g - u (g . u)) / n``, computed in ``grad_unit``'s buffer (no autograd, no copy)."""
+    along = torch.einsum("cd,cd->c", grad_unit, unit)
+    return grad_unit.addcmul_(unit, along[:, None], value=-1.0).div_(norms)
+
+
 class ProxySoftmaxFunction(torch.autograd.Function):
     r"""Softmax cross-entropy over the classes, from the embeddings and the raw proxies, with a closed-form backward.
 
@@ -185,9 +192,7 @@ class ProxySoftmaxFunction(torch.autograd.Function):
                     (term_grad,) = torch.autograd.grad(ctx.proxy_term(leaf), leaf)
                 grad_p.add_(term_grad.mul_(grad_out))
                 del term_grad
-            # the normalisation's backward, in place: (g - u (g . u)) / n
-            along = torch.einsum("cd,cd->c", grad_p, unit)
-            grad_p.addcmul_(unit, along[:, None], value=-1.0).div_(norms)
+            unit_rows_backward_(grad_p, unit, norms)
         return grad_x, grad_p, None, None, None, None, None, None, None
 
 
