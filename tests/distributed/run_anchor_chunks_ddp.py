@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from tests.distributed.run_gather_loss import SIZES, _close, _compare, _data, _distributed  # noqa: E402
 from tests.distributed.run_gather_loss import _label_sets, _packed, _reference  # noqa: E402
+from tests.distributed.run_gather_loss import finish_worker, spawn_workers  # noqa: E402
 
 VARIANTS = {
     "multi_similarity": ("multi_similarity", {}),
@@ -72,30 +71,11 @@ def _worker(rank: int, world: int, store_path: str) -> None:
     dist.all_reduce(same)
     if float(same) == world:
         failures.append("control per-process counts: matches the global gradient (the test has no power)")
-    if rank == 0:
-        for line in lines:
-            print(f"rank {rank}: {line}", flush=True)
-    bad = torch.tensor(float(len(failures)))
-    dist.all_reduce(bad)
-    for f in failures:
-        print(f"rank {rank}: FAIL {f}", flush=True)
-    dist.barrier()
-    if rank == 0 and float(bad) == 0:
-        print(f"CHUNKS-DDP-OK world={world} cases={len(lines)}", flush=True)
-    dist.destroy_process_group()
-    if float(bad) > 0:
-        sys.exit(1)
+    finish_worker(rank, lines, failures, f"CHUNKS-DDP-OK world={world} cases={len(lines)}")
 
 
 def main() -> int:
-    world = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(_worker, args=(world, os.path.join(tmp, "store")), nprocs=world, join=True)
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-            print(err)
-            return 1
-    return 0
+    return spawn_workers(_worker, int(sys.argv[1]) if len(sys.argv) > 1 else 2)
 
 
 if __name__ == "__main__":

@@ -259,7 +259,14 @@ def _worker(rank: int, world: int, store_path: str) -> None:
         dist.all_reduce(same)
         if float(same) == world:
             failures.append(f"control {control}: matches the global gradient (the test has no power)")
-    if rank == 0 or os.environ.get("GATHER_VERBOSE"):
+    finish_worker(rank, lines, failures, f"GATHER-OK world={world} cases={len(lines)}",
+                  verbose=bool(os.environ.get("GATHER_VERBOSE")))
+
+
+def finish_worker(rank: int, lines: list[str], failures: list[str], ok_line: str, verbose: bool = False) -> None:
+    """The end of every script's worker: rank 0's ``lines`` (every rank's with ``verbose``), each process's
+    failures, ``ok_line`` on rank 0 when no process failed (what the pytest side looks for), exit status 1 else."""
+    if rank == 0 or verbose:
         for line in lines:
             print(f"rank {rank}: {line}", flush=True)
     bad = torch.tensor(float(len(failures)))
@@ -268,10 +275,21 @@ def _worker(rank: int, world: int, store_path: str) -> None:
         print(f"rank {rank}: FAIL {f}", flush=True)
     dist.barrier()
     if rank == 0 and float(bad) == 0:
-        print(f"GATHER-OK world={world} cases={len(lines)}", flush=True)
+        print(ok_line, flush=True)
     dist.destroy_process_group()
     if float(bad) > 0:
         sys.exit(1)
+
+
+def spawn_workers(worker, world: int, *args) -> int:
+    """``worker(rank, world, store_path, *args)`` in ``world`` processes; 1 when one of them failed."""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            mp.spawn(worker, args=(world, os.path.join(tmp, "store"), *args), nprocs=world, join=True)
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+            print(err)
+            return 1
+    return 0
 
 
 def _compare(label, got, want, local, failures, lines):
@@ -291,17 +309,7 @@ def _compare(label, got, want, local, failures, lines):
 
 
 def main() -> int:
-    world = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(_worker, args=(world, os.path.join(tmp, "store")), nprocs=world, join=True)
-        except mp.ProcessRaisedException as err:
-            print(err)
-            return 1
-        except mp.ProcessExitedException as err:
-            print(err)
-            return 1
-    return 0
+    return spawn_workers(_worker, int(sys.argv[1]) if len(sys.argv) > 1 else 2)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from tests.distributed.run_gather_loss import finish_worker, spawn_workers  # noqa: E402
 
 P, K, DIM = 6, 3, 8
 SIZES = {2: [9, 9], 3: [5, 7, 6]}
@@ -118,30 +118,11 @@ def _worker(rank: int, world: int, store_path: str) -> None:
     lines.append(f"contrastive+pair_margin, label sets: {float(mean / world):.10f} vs {float(want.detach()):.10f}")
     if not ok:
         failures.append(lines[-1])
-    if rank == 0:
-        for line in lines:
-            print(f"rank 0: {line}", flush=True)
-    bad = torch.tensor(float(len(failures)))
-    dist.all_reduce(bad)
-    for f in failures:
-        print(f"rank {rank}: FAIL {f}", flush=True)
-    dist.barrier()
-    if rank == 0 and float(bad) == 0:
-        print(f"MINERS-OK world={world} cases={len(lines)}", flush=True)
-    dist.destroy_process_group()
-    if float(bad) > 0:
-        sys.exit(1)
+    finish_worker(rank, lines, failures, f"MINERS-OK world={world} cases={len(lines)}")
 
 
 def main() -> int:
-    world = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(_worker, args=(world, os.path.join(tmp, "store")), nprocs=world, join=True)
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-            print(err)
-            return 1
-    return 0
+    return spawn_workers(_worker, int(sys.argv[1]) if len(sys.argv) > 1 else 2)
 
 
 if __name__ == "__main__":

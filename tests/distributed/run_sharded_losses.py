@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from tests.distributed.run_gather_loss import finish_worker, spawn_workers  # noqa: E402
 
 N, C, D = 11, 7, 5
 SIZES = {1: [11], 2: [6, 5], 3: [4, 4, 3]}
@@ -194,29 +194,12 @@ def _worker(rank: int, world: int, store: str, checkpoint: str, phase: str) -> N
                 and "loss.proxies" not in ckpt["state_dict"]):
             failures.append("take_sharded_state: this process's rows of the centres or of their momentum differ")
 
-    bad = torch.tensor(float(len(failures)))
-    dist.all_reduce(bad)
-    for line in lines if rank == 0 else []:
-        print(f"rank 0: {line}", flush=True)
-    for f in failures:
-        print(f"rank {rank}: FAIL {f}", flush=True)
-    dist.barrier()
-    if rank == 0 and float(bad) == 0:
-        print(f"SHARDED-OK world={world}", flush=True)
-    dist.destroy_process_group()
-    if float(bad) > 0:
-        sys.exit(1)
+    finish_worker(rank, lines, failures, f"SHARDED-OK world={world}")
 
 
 def main() -> int:
     world, checkpoint, phase = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            mp.spawn(_worker, args=(world, os.path.join(tmp, "store"), checkpoint, phase), nprocs=world, join=True)
-        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
-            print(err)
-            return 1
-    return 0
+    return spawn_workers(_worker, world, checkpoint, phase)
 
 
 if __name__ == "__main__":
