@@ -49,6 +49,7 @@ from torch import Tensor
 
 from lightning_dml.errors import UserInputError
 from lightning_dml.index import kinds as K
+from lightning_dml.index import vectors as V
 from lightning_dml.index.folder import DEFAULT_LOCK_TIMEOUT, IndexBusyError, real_folder, replacing, settle
 from lightning_dml.index.manifest import MANIFEST, IndexFolderError, IndexMismatchError, Manifest, folder_uid
 
@@ -201,7 +202,7 @@ class EmbeddingIndex:
     def _refresh(self) -> None:
         merged = K.make_shards(self._shards, self.dim)
         if self.device != "cpu":
-            merged = K.to_gpus(merged, self.kind)
+            merged = K.to_gpus(merged, self.kind, self.manifest.options)
         self._faiss = merged
         self.manifest.count = len(self.table)
         self.manifest.shards = len(self._shards)
@@ -414,7 +415,8 @@ class EmbeddingIndex:
                 raise IndexFolderError(f"{path} is not a readable faiss index ({str(error).splitlines()[0]})") from None
         table = IndexTable.read(folder / TABLE)
         try:
-            vectors = np.load(folder / EMBEDDINGS, mmap_mode="r" if mmap else None, allow_pickle=False)
+            compressed = manifest.options.get("vectors", "float32") != "float32"  # float32 stays on disk
+            vectors = np.load(folder / EMBEDDINGS, mmap_mode="r" if mmap or compressed else None, allow_pickle=False)
         except FileNotFoundError:
             raise IndexFolderError(f"index folder {folder}: {EMBEDDINGS} is missing") from None
         except (OSError, ValueError) as error:
@@ -481,6 +483,9 @@ class EmbeddingIndex:
         if self.metric == "cosine":
             x = torch.nn.functional.normalize(x, dim=1)
         x = np.ascontiguousarray(x.cpu().numpy())
+        asked, rescore = k, V.rescore_count(self.manifest.options)
+        if rescore is not None:  # candidates: the best max(N, k) by the codes' score (lightning_dml.index.vectors)
+            k = max(k, rescore)
         total = len(self)
         # one result more than asked: a row whose (k+1)-th score equals its k-th has a tie across the boundary,
         # and is searched again with twice as many until the tie ends, so that the k kept are the best k by
@@ -501,14 +506,17 @@ class EmbeddingIndex:
         by_id = torch.sort(torch.where(ids >= 0, ids, torch.iinfo(torch.int64).max), dim=1, stable=True).indices
         scores, ids = scores.gather(1, by_id), ids.gather(1, by_id)
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
-        return scores.gather(1, order).to(device), ids.gather(1, order).to(device)
+        scores, ids = scores.gather(1, order), ids.gather(1, order)
+        if rescore is not None:  # the best k of the candidates by the exact score of the full-precision vectors
+            scores, ids = V.rescore(x, ids, self._vectors, self.table.rows_of, self.metric, asked)
+        return scores.to(device), ids.to(device)
 
     def _faiss_search(self, x: np.ndarray, k: int) -> tuple[Tensor, Tensor]:
         """faiss's ``k`` results of the float32 queries ``x``, as similarity scores (``-inf`` / ``-1`` padding)."""
         K.set_search_options(self._faiss, self.kind, self.manifest.options, k)
         distances, ids = self._faiss.search(x, k)
         scores, ids = torch.from_numpy(distances), torch.from_numpy(ids)
-        if self.metric == "euclidean":
+        if self.metric == "euclidean" or self.manifest.options.get("vectors") == "binary":  # distances (Hamming)
             scores = scores.neg()
         return torch.where(ids >= 0, scores, torch.tensor(float("-inf"))), ids
 

@@ -16,6 +16,9 @@ Defaults (:func:`resolve_options`, from the number ``n`` of vectors the index is
 nlist)``; ``m`` the largest divisor of ``d`` not above ``d / 4``, ``nbits = clamp(floor(log2(n / 39)), 1, 8)``;
 ``M = 32``, ``ef_construction = 40``, ``ef_search = 64`` (raised to ``k`` when a search asks for more).
 
+Compressed vectors (``flat`` only; options ``vectors`` = ``int8`` / ``binary`` and ``rescore``): the codes indexes
+and the exact re-scoring of :mod:`lightning_dml.index.vectors`.
+
 Sharding (:func:`make_shards`): the vectors are dealt to ``shards`` indexes of the same kind, the IVF ones sharing one
 trained coarse quantizer (and PQ codebooks), and searched together through faiss's ``IndexShards``, which merges
 the shards' results by score. Each shard is its own file, so a shard can live on another disk or GPU
@@ -30,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from lightning_dml.errors import UserInputError
+from lightning_dml.index import vectors as V
 
 __all__ = [
     "KINDS",
@@ -88,6 +92,8 @@ def check_kind(kind: str, options: dict[str, Any]) -> None:
     """An :class:`IndexOptionError` for an unknown kind or an option the kind does not have."""
     if kind not in KINDS:
         raise IndexOptionError(f"unknown index kind {kind!r}; expected one of {', '.join(KINDS)}")
+    options, vector_options = V.vector_options(options)
+    V.check_vectors(kind, **vector_options)  # --vectors / --rescore (lightning_dml.index.vectors)
     unknown = sorted(n for n, v in options.items() if n not in KINDS[kind] and v is not None)
     if unknown:
         known = ", ".join(KINDS[kind]) or "none"
@@ -100,6 +106,7 @@ def resolve_options(kind: str, options: dict[str, Any], n: int, d: int) -> dict[
     if kind not in KINDS:
         raise IndexOptionError(f"unknown index kind {kind!r}; expected one of {', '.join(KINDS)}")
     allowed = KINDS[kind]
+    options, vector_options = V.vector_options(options)
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         known = ", ".join(allowed) or "none"
@@ -130,7 +137,7 @@ def resolve_options(kind: str, options: dict[str, Any], n: int, d: int) -> dict[
     if kind == "hnsw":
         for name, default in allowed.items():
             out.setdefault(name, int(default))
-    return out
+    return {**out, **V.check_vectors(kind, **vector_options)}
 
 
 def factory_string(kind: str, options: dict[str, int]) -> str:
@@ -150,6 +157,9 @@ def build_faiss_index(kind: str, options: dict[str, int], d: int, metric: str, t
     """An empty faiss index of ``kind`` for vectors of size ``d``, trained on ``train`` when the kind needs it."""
     faiss = faiss_module()
 
+    if options.get("vectors", "float32") != "float32":  # int8 / binary codes (lightning_dml.index.vectors)
+        V.check_vectors(kind, options["vectors"], options.get("rescore"), metric)
+        return V.make_codes_index(options["vectors"], d, faiss_metric(metric), train)
     index = faiss.index_factory(int(d), factory_string(kind, options), faiss_metric(metric))
     if kind == "hnsw":
         faiss.downcast_index(index.index).hnsw.efConstruction = int(options["ef_construction"])
@@ -199,11 +209,13 @@ def supports_remove(kind: str) -> bool:
     return kind != "hnsw"
 
 
-def to_gpus(index: Any, kind: str) -> Any:
-    """``index`` on every GPU faiss sees (sharded over them), or unchanged without a GPU build or for ``hnsw``
-    (no GPU version)."""
+def to_gpus(index: Any, kind: str, index_options: dict[str, Any] | None = None) -> Any:
+    """``index`` on every GPU faiss sees (sharded over them), or unchanged without a GPU build, for ``hnsw`` and
+    for int8 / binary codes (``index_options["vectors"]``; no GPU version of these faiss indexes)."""
     faiss = faiss_module()
 
+    if (index_options or {}).get("vectors", "float32") != "float32":
+        return index
     if kind == "hnsw" or not hasattr(faiss, "get_num_gpus") or faiss.get_num_gpus() < 1:
         return index
     options = faiss.GpuMultipleClonerOptions()
