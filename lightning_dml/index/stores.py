@@ -1,0 +1,69 @@
+"""Where a gallery is stored: ``--store faiss`` (default: an index folder, :class:`~lightning_dml.index.EmbeddingIndex`)
+or ``--store milvus --uri URI`` (a Milvus collection, :class:`~lightning_dml.index.milvus.MilvusIndex`: a server
+``http://host:19530`` or a Milvus Lite database ``./gallery.db``). With ``milvus``, ``--index`` (and ``index build``'s
+``--out``) name the collection.
+
+:func:`add_store_arguments` gives a command's parser the options, :func:`check_store` checks them before any work,
+:func:`open_index` opens the gallery either way (what ``search``, ``serve``, ``index add`` and ``index evaluate``
+call), :func:`close_index` lets another process open a Milvus Lite database again.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from lightning_dml.errors import UserInputError
+
+__all__ = ["STORES", "StoreOptionError", "add_store_arguments", "check_store", "close_index", "open_index"]
+
+STORES = ("faiss", "milvus")
+
+
+class StoreOptionError(UserInputError, ValueError):
+    """``--store`` / ``--uri`` that do not go together."""
+
+
+def add_store_arguments(parser: argparse.ArgumentParser, *, build: bool = False) -> None:
+    """``--store`` and ``--uri`` (and with ``build``, ``--model_dir``) on a command's parser."""
+    parser.add_argument("--store", choices=STORES, default="faiss",
+                        help="faiss: --index is an index folder (default); milvus: --index names a collection of the "
+                             "Milvus at --uri (docs/serving.md 'Milvus')")
+    parser.add_argument("--uri", default=None, help="with --store milvus: a Milvus server (http://host:19530) or a "
+                        "Milvus Lite database file (./gallery.db)")
+    if build:
+        parser.add_argument("--model_dir", default=None, help="with --store milvus: the local folder the exported "
+                            "model is written to (default: URI.models beside a Milvus Lite .db; needed for a server)")
+
+
+def check_store(args: argparse.Namespace) -> None:
+    """One :class:`StoreOptionError` for ``--uri`` without ``--store milvus`` or the reverse."""
+    if args.store == "milvus" and not args.uri:
+        raise StoreOptionError("--store milvus needs --uri (http://host:19530, or ./gallery.db for Milvus Lite)")
+    if args.store != "milvus" and (args.uri or getattr(args, "model_dir", None)):
+        raise StoreOptionError("--uri and --model_dir go with --store milvus")
+
+
+def open_index(index: str, store: str = "faiss", uri: str | None = None, device: str = "cpu") -> Any:
+    """The gallery ``index``: an index folder (``faiss``, :meth:`EmbeddingIndex.load`) or the collection ``index``
+    at ``uri`` (``milvus``, :meth:`MilvusIndex.open`); both have the same search API."""
+    if store == "milvus":
+        from lightning_dml.index.milvus import MilvusIndex
+
+        if not uri:
+            raise StoreOptionError("--store milvus needs --uri")
+        return MilvusIndex.open(uri, index, device=device)
+    if store != "faiss":
+        raise StoreOptionError(f"--store {store!r}: one of {', '.join(STORES)}")
+    if uri:
+        raise StoreOptionError("--uri goes with --store milvus")
+    from lightning_dml.index.index import EmbeddingIndex
+
+    return EmbeddingIndex.load(index, device=device)
+
+
+def close_index(index: Any) -> None:
+    """Close a Milvus gallery (a Milvus Lite database is open in one process at a time); nothing for a folder."""
+    close = getattr(index, "close", None)
+    if close is not None:
+        close()
