@@ -4,8 +4,8 @@
 
     lightning-dml index build --config CONFIG --ckpt_path CKPT --gallery PATH --kind flat --out DIR
         [--split SPLIT] [--shards N] [--nlist N] [--nprobe N] [--m N] [--nbits N] [--M N] [--ef_construction N]
-        [--ef_search N] [--accelerator auto] [--devices 1] [--strategy auto] [--num_workers 0] [--batch_size 128]
-        [--overwrite] [--lock_timeout 600]
+        [--ef_search N] [--vectors float32|int8|binary] [--rescore N] [--accelerator auto] [--devices 1]
+        [--strategy auto] [--num_workers 0] [--batch_size 128] [--overwrite] [--lock_timeout 600]
     lightning-dml index add --index DIR --gallery PATH [--split SPLIT] [--lock_timeout 600]
     lightning-dml index evaluate --index DIR [--queries PATH] [--k 10] [--recall_at 1 2 4 8] [--rerank SPEC]
         [--format table|json]
@@ -62,6 +62,11 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("nlist", "nprobe", "m", "nbits", "M", "ef_construction", "ef_search"):
         build.add_argument(f"--{name}", type=int, default=None,
                            help=f"option {name} of the index kind (docs/serving.md; default from the data)")
+    build.add_argument("--vectors", default=None, choices=("float32", "int8", "binary"),
+                       help="the vectors a flat index holds: float32 (default), int8 (scalar codes, range "
+                            "calibrated on the gallery) or binary (sign bits, Hamming distance; cosine only)")
+    build.add_argument("--rescore", type=int, default=None, help="with --vectors int8|binary: re-score the best N "
+                       "candidates exactly with the float32 vectors kept on disk (embeddings.npy, memory-mapped)")
     build.add_argument("--accelerator", default="auto", help="Trainer accelerator of the embedding (default auto)")
     build.add_argument("--devices", type=_devices, default=1, help="Trainer devices (default 1)")
     build.add_argument("--strategy", default="auto", help="Trainer strategy (ddp for several devices)")
@@ -101,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _kind_options(args: argparse.Namespace) -> dict[str, int]:
-    names = ("nlist", "nprobe", "m", "nbits", "M", "ef_construction", "ef_search")
+def _kind_options(args: argparse.Namespace) -> dict[str, int | str]:
+    names = ("nlist", "nprobe", "m", "nbits", "M", "ef_construction", "ef_search", "vectors", "rescore")
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 

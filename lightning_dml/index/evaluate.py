@@ -10,7 +10,13 @@ index folder:
 * **Recall@K** and **MAP@R** (Musgrave et al., ECCV 2020; ``docs/metrics.md``) of both rankings, with the library's
   definitions (relevant: the same label); the index's ranked lists are as long as the largest R, padded with
   non-relevant entries where the index returns fewer results;
-* the index's search time (seconds, all queries; a measurement of this machine, not a result).
+* the index's search time (seconds, all queries, and milliseconds per query; a measurement of this machine, not a
+  result) and its size: bytes per vector of its faiss index (:func:`lightning_dml.index.vectors.index_bytes`: codes,
+  ids, cells or graph; the ``embeddings.npy`` a re-scoring index memory-maps is not counted).
+
+An index of compressed vectors (``index build --vectors int8|binary [--rescore N]``, :mod:`lightning_dml.index.vectors`)
+is its row ``index (flat, binary + rescore N)``: its neighbour recall and metrics are against the exact search of the
+full-precision vectors.
 
 :func:`format_table` prints the rates in percent with two decimals, as every command does
 (:mod:`lightning_dml.metrics_format`); ``--format json`` keeps the fractions.
@@ -33,6 +39,7 @@ import torch
 from torch import Tensor
 
 from lightning_dml.errors import UserInputError
+from lightning_dml.index import vectors as V
 from lightning_dml.index.index import EmbeddingIndex
 from lightning_dml.metrics import functional as MF
 from lightning_dml.metrics_format import format_metric
@@ -133,7 +140,10 @@ def evaluate_index(
     valid = (exact_nb >= 0).sum(1).clamp_min(1)
     neighbour_recall = float((same.any(1).sum(1) / valid).mean())
 
-    rows = {"exact": exact_rows, f"index ({index.kind})": approx}
+    vector_options = V.vector_options(index.options)[1]
+    packed = "" if not vector_options else f", {vector_options['vectors']}" + (
+        f" + rescore {vector_options['rescore']}" if "rescore" in vector_options else "")
+    rows = {"exact": exact_rows, f"index ({index.kind}{packed})": approx}
     if rerank:
         from lightning_dml.index.rerank import parse_rerank, rerank_metrics
 
@@ -144,7 +154,8 @@ def evaluate_index(
                 metric=index.metric,
             )
     return {"rows": rows, "neighbour_recall@k": neighbour_recall, "k": k, "queries": int(qv.shape[0]),
-            "search_seconds": seconds, "kind": index.kind, "options": index.options}
+            "search_seconds": seconds, "search_ms_per_query": 1000 * seconds / max(1, int(qv.shape[0])),
+            "bytes_per_vector": V.index_bytes(index) / len(index), "kind": index.kind, "options": index.options}
 
 
 def format_table(result: dict[str, Any]) -> str:
@@ -162,6 +173,8 @@ def format_table(result: dict[str, Any]) -> str:
     text = [" | ".join(str(cell).ljust(w) for cell, w in zip(row, widths)) for row in [header, *lines]]
     text.insert(1, "-+-".join("-" * w for w in widths))
     options = ", ".join(f"{k}={v}" for k, v in result["options"].items())
+    size = f", {result['bytes_per_vector']:.1f} bytes per vector" if "bytes_per_vector" in result else ""
+    per_query = f" ({result['search_ms_per_query']:.3f} ms per query)" if "search_ms_per_query" in result else ""
     text.append(f"{result['queries']} queries, index {result['kind']}" + (f" ({options})" if options else "")
-                + f", index search {result['search_seconds']:.3f} s")
+                + f"{size}, index search {result['search_seconds']:.3f} s{per_query}")
     return "\n".join(text)
