@@ -20,6 +20,10 @@ checkpoint the index was built from changed since (its sha256 against the one re
 ``build`` and ``add`` write the folder as a whole under its lock (``.DIR.lock`` beside it,
 :mod:`lightning_dml.index.folder`): a command stopped at any point leaves the old index whole, and a second writer
 of the same folder waits for the first (a line names the holder) for at most ``--lock_timeout`` seconds.
+
+``--store milvus --uri URI`` (``build``, ``add``, ``evaluate``, ``status``; ``build`` also ``--model_dir``): the
+gallery in a Milvus collection named by ``--out`` / ``--index`` (:mod:`lightning_dml.index.stores`,
+:mod:`lightning_dml.index.milvus`; ``build``: ``--kind flat`` only).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from lightning_dml.cli_parsing import CommandParser
 from lightning_dml.errors import UserInputError
 from lightning_dml.index.folder import DEFAULT_LOCK_TIMEOUT
 from lightning_dml.index.manifest import MANIFEST
+from lightning_dml.index.stores import add_store_arguments, check_store, milvus_add_command, milvus_build_command, \
+    open_index
 
 __all__ = ["build_parser", "main"]
 
@@ -78,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="replace an existing index folder (as a whole, once the new one is complete)")
     build.add_argument("--lock_timeout", type=float, default=DEFAULT_LOCK_TIMEOUT, help="seconds to wait while "
                        f"another command writes the folder (default {DEFAULT_LOCK_TIMEOUT:g})")
+    add_store_arguments(build, build=True)
 
     add = sub.add_parser("add", help="add a gallery's new or changed images to an index")
     add.add_argument("--index", required=True, help="the index folder")
@@ -86,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("--device", default="cpu", help="cpu, cuda or auto: where the exported model runs")
     add.add_argument("--lock_timeout", type=float, default=DEFAULT_LOCK_TIMEOUT,
                      help=f"seconds to wait while another command writes the folder (default {DEFAULT_LOCK_TIMEOUT:g})")
+    add_store_arguments(add)
 
     evaluate = sub.add_parser("evaluate",
                               help="neighbour recall and Recall@K / MAP@R of the index against exact search")
@@ -100,9 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "search --help)")
     evaluate.add_argument("--format", choices=("table", "json"), default="table", help="output (default table)")
     evaluate.add_argument("--device", default="cpu", help="where the exported model embeds the queries")
+    add_store_arguments(evaluate)
 
     status = sub.add_parser("status", help="the index's manifest and the gallery files changed since indexing")
     status.add_argument("--index", required=True, help="the index folder")
+    add_store_arguments(status)
     return parser
 
 
@@ -121,6 +131,9 @@ def _build(args: argparse.Namespace) -> None:
     from lightning_dml.index.kinds import check_kind
 
     check_kind(args.kind, _kind_options(args))  # before any work
+    check_store(args)
+    if args.store == "milvus":
+        return milvus_build_command(args, _kind_options(args))
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise IndexCommandError(f"--out {out} is a file, not a folder")
@@ -145,6 +158,9 @@ def _build(args: argparse.Namespace) -> None:
 
 
 def _add(args: argparse.Namespace) -> None:
+    check_store(args)
+    if args.store == "milvus":
+        return milvus_add_command(args)
     from lightning_dml.index.build import add_gallery
 
     _check_lock_timeout(args)
@@ -187,7 +203,7 @@ def _evaluate(args: argparse.Namespace) -> None:
     import warnings
 
     from lightning_dml.index.evaluate import evaluate_index, format_table
-    from lightning_dml.index.index import EmbeddingIndex, warn_changed
+    from lightning_dml.index.index import warn_changed
 
     if args.k < 1 or any(v < 1 for v in args.recall_at):
         raise IndexCommandError("--k and --recall_at values must be >= 1")
@@ -195,7 +211,8 @@ def _evaluate(args: argparse.Namespace) -> None:
         from lightning_dml.index.rerank import parse_rerank
 
         parse_rerank(args.rerank)  # a bad option is reported before any work
-    index = EmbeddingIndex.load(args.index, device=args.device)
+    check_store(args)
+    index = open_index(args.index, args.store, args.uri, device=args.device)
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warn_changed(index)
@@ -210,9 +227,8 @@ def _evaluate(args: argparse.Namespace) -> None:
 
 
 def _status(args: argparse.Namespace) -> None:
-    from lightning_dml.index.index import EmbeddingIndex
-
-    index = EmbeddingIndex.load(args.index)
+    check_store(args)
+    index = open_index(args.index, args.store, args.uri)
     m = index.manifest
     ckpt = m.checkpoint or {}
     print(f"{index!r}\ncheckpoint: {ckpt.get('path')} (sha256 {ckpt.get('sha256')})\noptions: {m.options}\n"

@@ -227,6 +227,19 @@ class MilvusIndex:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         return cls(client, uri, collection, manifest, props.get(MODEL_SHA_PROPERTY), device=device)
 
+    @classmethod
+    def check_name_free(cls, client: Any, uri: str, collection: str, replace: bool) -> bool:
+        """Whether a gallery ``collection`` exists at ``uri`` (then ``replace`` must be true); a plain collection
+        of that name (not a lightning-dml gallery) or a gallery without ``replace`` is one :class:`MilvusStoreError`."""
+        where = f"Milvus collection {_check_name(collection)} at {uri}"
+        if collection in _call("listing collections", client.list_collections):
+            raise MilvusStoreError(f"{where} is a collection that is not a lightning-dml gallery (no alias); give "
+                                   "another name")
+        exists = cls._has(client, collection)
+        if exists and not replace:
+            raise MilvusStoreError(f"{where} exists; give another name, or --overwrite to replace it")
+        return exists
+
     @staticmethod
     def _has(client: Any, collection: str) -> bool:
         return collection in _call("listing aliases", client.list_aliases).get("aliases", [])
@@ -280,13 +293,8 @@ class MilvusIndex:
                                        "Milvus server holds vectors, not models")
             model_dir = f"{Path(uri).expanduser().absolute()}.models"
         client = connect(uri)
-        if collection in _call("listing collections", client.list_collections):
-            raise MilvusStoreError(f"{where} is a collection that is not a lightning-dml gallery (no alias); give "
-                                   "another name")
         old = None
-        if cls._has(client, collection):
-            if not replace:
-                raise MilvusStoreError(f"{where} exists; give another name, or --overwrite to replace it")
+        if cls.check_name_free(client, uri, collection, replace):
             old = _call(f"reading {where}", client.describe_alias, collection)["collection_name"]
         uid = secrets.token_hex(8)
         physical = f"{collection}__{uid}"

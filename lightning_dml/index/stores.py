@@ -15,7 +15,8 @@ from typing import Any
 
 from lightning_dml.errors import UserInputError
 
-__all__ = ["STORES", "StoreOptionError", "add_store_arguments", "check_store", "close_index", "open_index"]
+__all__ = ["STORES", "StoreOptionError", "add_store_arguments", "check_store", "close_index", "milvus_add_command",
+           "milvus_build_command", "open_index"]
 
 STORES = ("faiss", "milvus")
 
@@ -67,3 +68,46 @@ def close_index(index: Any) -> None:
     close = getattr(index, "close", None)
     if close is not None:
         close()
+
+
+def milvus_build_command(args: argparse.Namespace, kind_options: dict[str, Any]) -> None:
+    """``lightning-dml index build --store milvus``: :func:`~lightning_dml.index.milvus.build_milvus_index` into the
+    collection ``--out`` at ``--uri`` (a FLAT Milvus index: ``--kind flat``, no kind options, one shard)."""
+    import os
+
+    from lightning_dml.index.milvus import MilvusIndex, build_milvus_index, connect, is_local_uri
+
+    if args.kind != "flat" or kind_options or args.shards != 1:
+        raise StoreOptionError("--store milvus stores a FLAT Milvus collection (exact search): --kind flat without "
+                               "--shards or kind options (--nlist, --vectors, ...)")
+    if args.batch_size < 1 or args.num_workers < 0:
+        raise StoreOptionError("--batch_size must be >= 1, --num_workers >= 0")
+    if args.model_dir is None and not is_local_uri(args.uri):
+        raise StoreOptionError(f"--uri {args.uri}: give --model_dir, a local folder for the exported model (a Milvus "
+                               "server holds vectors, not models)")
+    if os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0":
+        # before the embedding: the store answers and the name is free (or --overwrite); the other DDP ranks never
+        # open it (Milvus Lite opens a database in one process)
+        client = connect(args.uri)
+        MilvusIndex.check_name_free(client, args.uri, args.out, args.overwrite)
+    index = build_milvus_index(
+        args.config, args.ckpt_path, args.gallery, uri=args.uri, collection=args.out, model_dir=args.model_dir,
+        split=args.split, replace=args.overwrite, accelerator=args.accelerator, devices=args.devices,
+        strategy=args.strategy, num_workers=args.num_workers, batch_size=args.batch_size,
+        progress=args.progress_bar,
+    )
+    if index is not None:
+        print(f"lightning-dml index: {len(index)} items indexed (flat, {index.metric}, size {index.dim}) in Milvus "
+              f"collection {args.out} at {args.uri}; exported model {index.manifest.model}")
+        index.close()
+
+
+def milvus_add_command(args: argparse.Namespace) -> None:
+    """``lightning-dml index add --store milvus``: :func:`~lightning_dml.index.milvus.add_milvus_gallery`."""
+    from lightning_dml.index.milvus import MilvusIndex, add_milvus_gallery
+
+    index = MilvusIndex.open(args.uri, args.index, device=args.device)
+    counts = add_milvus_gallery(index, args.gallery, split=args.split)
+    print(f"lightning-dml index: {counts['added']} added, {counts['updated']} re-embedded (changed files), "
+          f"{counts['unchanged']} unchanged in Milvus collection {args.index} at {args.uri}")
+    index.close()
