@@ -16,6 +16,9 @@ Output on stdout, one line per query:
 * ``--format json`` (default): JSON Lines, ``{"query": QUERY, "results": [{"id", "path", "label", "score"}, ...]}``
   best first (``query``: the path as given on the command line or in the table);
 * ``--format csv``: a header ``query,rank,id,path,label,score`` and one row per result (rank from 1).
+
+``--store milvus --uri URI``: ``--index`` names a gallery in a Milvus collection (:mod:`lightning_dml.index.stores`,
+:mod:`lightning_dml.index.milvus`), searched the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 
 from lightning_dml.cli_parsing import CommandParser
 from lightning_dml.errors import UserInputError
+from lightning_dml.index.stores import add_store_arguments, check_store, open_index
 
 __all__ = ["build_parser", "main", "search_embeddings", "search_images"]
 
@@ -55,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", type=int, default=64, help="query images embedded together (default 64)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     p.add_argument("--split", default=None, help="a query table's rows of this split only")
+    add_store_arguments(p)
     p.add_argument("queries", nargs="+", metavar="IMAGE_OR_FOLDER_OR_CSV", help="query images, folders or tables")
     return p
 
@@ -88,7 +93,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``lightning-dml search ...`` (module docstring)."""
     from lightning_dml.index.cut import SearchCut
     from lightning_dml.index.gallery import read_sources
-    from lightning_dml.index.index import EmbeddingIndex
     from lightning_dml.index.rerank import parse_rerank
 
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
@@ -98,7 +102,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SearchOptionError(f"--batch_size {args.batch_size} must be >= 1")
     cut = SearchCut.parse(args.threshold, args.adaptive)
     reranker = parse_rerank(args.rerank)
-    index = EmbeddingIndex.load(args.index, device=args.device)
+    check_store(args)
+    index = open_index(args.index, args.store, args.uri, device=args.device)
     if reranker is not None:
         reranker.check_metric(index.metric)
     items = read_sources(args.queries, args.split)
