@@ -7,6 +7,10 @@
         [--max_image_pixels PIXELS] [--max_batch_bytes BYTES] [--max_batch_pixels PIXELS] [--body_timeout S]
         [--max_pending_bytes BYTES]
 
+``--store milvus --uri URI``: ``--index`` names a gallery in a Milvus collection (:mod:`lightning_dml.index.stores`,
+:mod:`lightning_dml.index.milvus`), served the same way; Milvus Lite (a ``.db`` URI) is opened by one process at a
+time: its one model worker (``--workers_per_device 1``; ``serve`` closes it before the worker starts).
+
 Endpoints:
 
 * ``POST /search?k=K`` with the raw image file as the body (``Content-Type: image/jpeg`` or ``image/png``) answers
@@ -77,6 +81,7 @@ from lightning_dml.cli_parsing import CommandParser
 from lightning_dml.errors import UserInputError
 from lightning_dml.index.cut import CutOptionError, SearchCut
 from lightning_dml.index.rerank import RerankOptionError, parse_rerank
+from lightning_dml.index.stores import add_store_arguments, check_store, close_index, open_index
 
 #: Largest accepted image file in bytes (``--max_image_bytes``; per image of a JSON batch)
 MAX_IMAGE_BYTES = 10 * 1024 * 1024
@@ -549,18 +554,17 @@ class SearchAPI(_LitAPI):  # type: ignore[misc, valid-type]
     at a time (a group that fails answers its own requests with a 500 JSON error, not the others)."""
 
     def __init__(self, index_dir: str, *, max_batch_size: int = 8, batch_timeout: float = 0.01,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, store: str = "faiss", uri: str | None = None) -> None:
         super().__init__(max_batch_size=max_batch_size, batch_timeout=batch_timeout, api_path=SEARCH_PATH)
         self.index_dir = str(index_dir)
+        self.store, self.uri = store, uri  # where the gallery is (lightning_dml.index.stores)
         self.limits = RequestLimits() if limits is None else limits
         self.index: Any = None
         self.embedder: Any = None
 
     def setup(self, device: str) -> None:
-        from lightning_dml.index import EmbeddingIndex
-
         # LitServe's device: "cpu" or "cuda:<i>"; the index puts its model on the first GPU torch sees
-        self.index = EmbeddingIndex.load(self.index_dir, device="cpu" if str(device) == "cpu" else "cuda")
+        self.index = open_index(self.index_dir, self.store, self.uri, device="cpu" if str(device) == "cpu" else "cuda")
         self.embedder = self.index.embedder  # the model, loaded now: a broken one fails here, not in a search
 
     def decode_request(self, request: dict) -> dict:
@@ -643,6 +647,8 @@ def build_server(
     accelerator: str = "auto",
     workers_per_device: int = 1,
     timeout: float = 30.0,
+    store: str = "faiss",
+    uri: str | None = None,
     metric: str = "cosine",
 ) -> Any:
     """The ``LitServer`` of an index folder (``server.run(host=..., port=...)`` starts it); ``metric``: the index's
@@ -653,7 +659,8 @@ def build_server(
     limits = RequestLimits() if limits is None else limits
     limits.check()
     defaults = {"k": int(k), "rerank": rerank, "threshold": threshold, "adaptive": adaptive}
-    api = SearchAPI(index_dir, max_batch_size=max_batch_size, batch_timeout=batch_timeout, limits=limits)
+    api = SearchAPI(index_dir, max_batch_size=max_batch_size, batch_timeout=batch_timeout, limits=limits,
+                    store=store, uri=uri)
     return ls.LitServer(
         api,
         accelerator=accelerator,
@@ -672,6 +679,7 @@ def build_parser() -> argparse.ArgumentParser:
         "answers the top-k results as JSON; GET /health answers 200. See docs/serving.md.",
     )
     p.add_argument("--index", required=True, help="index folder (lightning-dml index build --out)")
+    add_store_arguments(p)
     p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1; 0.0.0.0: all)")
     p.add_argument("--k", type=int, default=10, help="results per query unless the request says ?k= (default 10)")
@@ -753,19 +761,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     rerank = parse_rerank(args.rerank)
     if rerank is not None:
         check_served_rerank(rerank)
-    from lightning_dml.index import EmbeddingIndex
-
-    index = EmbeddingIndex.load(args.index)  # a missing or broken folder is reported here, before any worker starts
+    check_store(args)
+    index = open_index(args.index, args.store, args.uri)  # a missing or broken index: reported before any worker
     metric = index.metric
     if rerank is not None:
         rerank.check_metric(metric)
     check_model(index, args.index)
+    close_index(index)  # Milvus Lite: the model worker opens the database next
     del index
     server = build_server(
         args.index, k=args.k, rerank=None if rerank is None else rerank.spec(), threshold=cut.threshold,
         adaptive=cut.adaptive, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout,
         limits=limits, accelerator=args.accelerator,
         workers_per_device=args.workers_per_device, timeout=args.timeout, metric=metric,
+        store=args.store, uri=args.uri,
     )
     print(f"lightning-dml serve: {args.index} on http://{args.host}:{args.port} (POST /search, GET /health)",
           file=sys.stderr, flush=True)
