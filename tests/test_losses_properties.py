@@ -327,7 +327,8 @@ def test_registry_defaults_of_spec_9_1():
                            "selectively_contrastive_triplet", "snr_contrastive", "threshold_consistent_margin",
                            "vicreg",
                            "hyp_vit",
-                           "instance", "self_supervised"}
+                           "instance", "self_supervised",
+                           "matryoshka"}  # issue 31
     r = build_loss("ranked_list")
     assert (r.alpha, r.margin, r.temperature, r.lam, r.detach_gallery) == (1.2, 0.4, 10.0, 1.0, True)
     t = build_loss("tuplet_margin")

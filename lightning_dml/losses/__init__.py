@@ -68,6 +68,9 @@ from lightning_dml.losses.self_supervised import SelfSupervisedLoss
 from lightning_dml.losses.hyperbolic import HypViTLoss
 from lightning_dml.losses.hier import HIERLoss
 
+# nested widths (issue 31 section 2; registers itself with @register_loss)
+from lightning_dml.losses.matryoshka import MatryoshkaLoss
+
 __all__ = [
     "LOSSES",
     "build_loss",
@@ -121,4 +124,5 @@ __all__ = [
     "SelfSupervisedLoss",
     "HypViTLoss",
     "HIERLoss",
+    "MatryoshkaLoss",
 ]
