@@ -10,6 +10,8 @@
     lightning-dml index evaluate --index DIR [--queries PATH] [--k 10] [--recall_at 1 2 4 8] [--rerank SPEC]
         [--format table|json]
     lightning-dml index status --index DIR
+    lightning-dml index calibrate --index DIR --labelled PATH --fmr F [--split SPLIT] [--device cpu]
+        [--lock_timeout 600]
 
 ``PATH``: an image folder of class folders or a CSV/Parquet table (:mod:`lightning_dml.index.gallery`); ``--queries``
 also takes a ``lightning-dml predict`` file (``predictions.pt``: its checkpoint must be the index's). ``build`` runs
@@ -55,7 +57,7 @@ def _devices(text: str) -> int | str:
 def build_parser() -> argparse.ArgumentParser:
     parser = CommandParser(prog="lightning-dml index", description="Build, extend, evaluate and check an "
                                      "embedding index (faiss) of an image gallery. See docs/serving.md.")
-    sub = parser.add_subparsers(dest="action", required=True, metavar="{build,add,evaluate,status}")
+    sub = parser.add_subparsers(dest="action", required=True, metavar="{build,add,evaluate,status,calibrate}")
 
     build = sub.add_parser("build", help="embed a gallery with a checkpoint and index it")
     build.add_argument("--config", required=True, help="the run's config (lightning-dml saves config.yaml)")
@@ -112,6 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="the index's manifest and the gallery files changed since indexing")
     status.add_argument("--index", required=True, help="the index folder")
+
+    calibrate = sub.add_parser("calibrate", help="store the match threshold at a false match rate, measured over all "
+                               "pairs of a labelled set (lightning_dml.index.calibrate)")
+    calibrate.add_argument("--index", required=True, help="the index folder")
+    calibrate.add_argument("--labelled", required=True, help="labelled items: an image folder of class folders, a "
+                           "table with labels, or a predictions.pt file of the index's checkpoint")
+    calibrate.add_argument("--fmr", required=True, help="the target false match rate over the negative pairs, in "
+                           "(0, 1), e.g. 0.001")
+    calibrate.add_argument("--split", default=None, help="a table's rows of this split only")
+    calibrate.add_argument("--device", default="cpu", help="where the exported model embeds the labelled images")
+    calibrate.add_argument("--lock_timeout", type=float, default=DEFAULT_LOCK_TIMEOUT, help="seconds to wait while "
+                           f"another command writes the folder (default {DEFAULT_LOCK_TIMEOUT:g})")
     add_store_arguments(status)
     return parser
 
@@ -244,7 +258,21 @@ def _status(args: argparse.Namespace) -> None:
         print(f"  {what}: {path} (id {i})")
 
 
+def _calibrate(args: argparse.Namespace) -> None:
+    from lightning_dml.index.calibrate import calibrate_index, parse_rate
+
+    parse_rate(args.fmr)  # a bad rate is reported before any work
+    _check_lock_timeout(args)
+    cal = calibrate_index(args.index, args.labelled, args.fmr, split=args.split, device=args.device,
+                          lock_timeout=args.lock_timeout)
+    print(f"lightning-dml index: threshold {cal['threshold']!r} (match: {cal['rule']}) at target FMR "
+          f"{cal['target']['fmr']}: FMR {cal['fmr']:.6g}, FNMR {cal['fnmr']:.6g} over {cal['negatives']} negative and "
+          f"{cal['positives']} positive pairs of {cal['labelled']['items']} labelled items; stored in "
+          f"{Path(args.index) / MANIFEST}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``lightning-dml index ACTION ...`` (see the module docstring)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    {"build": _build, "add": _add, "evaluate": _evaluate, "status": _status}[args.action](args)
+    {"build": _build, "add": _add, "evaluate": _evaluate, "status": _status,
+     "calibrate": _calibrate}[args.action](args)

@@ -15,6 +15,9 @@ Written by :meth:`~lightning_dml.index.EmbeddingIndex.save`, read by :meth:`~lig
   ``embedding_exported.pt2`` is refused when its model is needed: rebuild it);
 * ``gallery``: the gallery sources added (paths as given, absolute); each file's size and modification time are in
   the table (``size``, ``mtime_ns`` columns), which :meth:`~lightning_dml.index.EmbeddingIndex.changed_files` compares;
+* ``calibration``: the match threshold of ``lightning-dml index calibrate`` (:mod:`lightning_dml.index.calibrate`:
+  threshold, target, achieved FMR/FNMR, pair counts, the labelled data and the checkpoint sha256 it was computed
+  with), ``None`` when the index was not calibrated; a rebuild (``index build --overwrite``) writes none;
 * ``uid``: a random id written by each save (:func:`folder_uid`): a reader that finds another ``uid`` after reading
   the other files knows the folder was replaced meanwhile (:mod:`lightning_dml.index.folder`); ``""`` in folders
   written before it existed.
@@ -83,6 +86,7 @@ class Manifest:
     preprocess: dict[str, Any] | None = None
     model: str | None = None
     gallery: list[str] = field(default_factory=list)
+    calibration: dict[str, Any] | None = None
     uid: str = ""
     format: int = FORMAT
     library: str = ""

@@ -17,6 +17,10 @@ Output on stdout, one line per query:
   best first (``query``: the path as given on the command line or in the table);
 * ``--format csv``: a header ``query,rank,id,path,label,score`` and one row per result (rank from 1).
 
+With a calibrated index (``lightning-dml index calibrate``, :mod:`lightning_dml.index.calibrate`) each result also
+has ``"match": true|false`` (a ``match`` column in CSV): its exact score ``>`` the stored threshold;
+``--matches_only`` keeps the matches only (refused on an index without a threshold).
+
 ``--store milvus --uri URI``: ``--index`` names a gallery in a Milvus collection (:mod:`lightning_dml.index.stores`,
 :mod:`lightning_dml.index.milvus`), searched the same way.
 """
@@ -59,13 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", type=int, default=64, help="query images embedded together (default 64)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     p.add_argument("--split", default=None, help="a query table's rows of this split only")
+    p.add_argument("--matches_only", action="store_true",
+                   help="only the results that match under the index's calibrated threshold (index calibrate)")
     add_store_arguments(p)
     p.add_argument("queries", nargs="+", metavar="IMAGE_OR_FOLDER_OR_CSV", help="query images, folders or tables")
     return p
 
 
 def search_images(index, images: Sequence, k: int, rerank: str | None = None, cut=None,
-                  batch_size: int = 64) -> list[list[dict]]:
+                  batch_size: int = 64, matches_only: bool = False) -> list[list[dict]]:
     """Result lists of images (paths or PIL images): embedded in batches of ``batch_size``, searched, re-ranked
     (``rerank``: a ``--rerank`` text), cut (``cut``: a :class:`~lightning_dml.index.cut.SearchCut`); one list of
     ``{"id", "path", "label", "score"}`` per image, best first. ``lightning-dml serve`` answers with it too."""
@@ -73,11 +79,12 @@ def search_images(index, images: Sequence, k: int, rerank: str | None = None, cu
     for start in range(0, len(images), batch_size):
         with torch.no_grad():
             queries = index.embed_images(images[start : start + batch_size])
-        out.extend(search_embeddings(index, queries, k, rerank, cut))
+        out.extend(search_embeddings(index, queries, k, rerank, cut, matches_only))
     return out
 
 
-def search_embeddings(index, queries: torch.Tensor, k: int, rerank: str | None = None, cut=None) -> list[list[dict]]:
+def search_embeddings(index, queries: torch.Tensor, k: int, rerank: str | None = None, cut=None,
+                      matches_only: bool = False) -> list[list[dict]]:
     """Result lists of raw query embeddings ``[Q, D]`` of the index's model: searched, re-ranked (``rerank``: a
     ``--rerank`` text; its ``candidates`` and ``n`` clamped to the index's size), cut (``cut``); one list of
     ``{"id", "path", "label", "score"}`` per query, best first (what :func:`search_images` does after embedding)."""
@@ -86,7 +93,9 @@ def search_embeddings(index, queries: torch.Tensor, k: int, rerank: str | None =
     scores, ids = rerank_search(index, queries, k, parse_rerank(rerank))
     if cut:
         scores, ids = cut.apply(scores, ids)
-    return index.results(scores, ids)
+    from lightning_dml.index.calibrate import mark_results
+
+    return mark_results(index, queries, scores, ids, matches_only)  # + "match" with a calibrated threshold
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -104,18 +113,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     reranker = parse_rerank(args.rerank)
     check_store(args)
     index = open_index(args.index, args.store, args.uri, device=args.device)
+    from lightning_dml.index.calibrate import CalibrationError, check_calibration
+
+    if check_calibration(index.manifest, args.index) is None and args.matches_only:  # before any work
+        raise CalibrationError(f"--matches_only: the index {args.index} has no calibrated threshold (lightning-dml "
+                               "index calibrate)")
     if reranker is not None:
         reranker.check_metric(index.metric)
     items = read_sources(args.queries, args.split)
-    results = search_images(index, items.paths, args.k, args.rerank, cut, args.batch_size)
+    results = search_images(index, items.paths, args.k, args.rerank, cut, args.batch_size, args.matches_only)
     out = sys.stdout
     if args.format == "json":
         for name, found in zip(items.names, results):
             out.write(json.dumps({"query": name, "results": found}, ensure_ascii=False) + "\n")
     else:
         writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(["query", "rank", "id", "path", "label", "score"])
+        marked = index.manifest.calibration is not None  # a calibrated index: a match column
+        writer.writerow(["query", "rank", "id", "path", "label", "score"] + ["match"] * marked)
         for name, found in zip(items.names, results):
             for rank, row in enumerate(found, start=1):
-                writer.writerow([name, rank, row["id"], row["path"], row["label"], repr(row["score"])])
+                writer.writerow([name, rank, row["id"], row["path"], row["label"], repr(row["score"])]
+                                + [str(row["match"]).lower()] * marked)
     out.flush()

@@ -17,7 +17,9 @@ Endpoints:
   ``{"results": [{"id", "path", "label", "score"}, ...]}`` best first: the ``results`` of ``lightning-dml search
   --index DIR --k K --format json`` for the same image (same embedding, index, re-ranking and cut). Optional
   query parameters ``threshold``, ``adaptive`` and ``rerank`` (as the search command's options) override the
-  server's defaults for that request.
+  server's defaults for that request. With a calibrated index (``lightning-dml index calibrate``) each result has
+  ``"match": true|false`` (:mod:`lightning_dml.index.calibrate`), and ``matches_only=true`` (or ``serve
+  --matches_only``) answers the matches only (400 on an index without a threshold).
 * A batch: ``POST /search?k=K`` with ``Content-Type: application/json`` and the body ``{"images": [BASE64, ...]}``
   (each a base64-encoded JPEG or PNG file, at most ``MAX_BATCH_IMAGES``) answers ``{"batch": [{"results": [...]},
   ...]}`` in the order given.
@@ -227,15 +229,16 @@ def as_loaded(image: Any) -> Any:
     return image
 
 
-def parse_query(query_string: str, defaults: dict[str, Any], metric: str = "cosine") -> dict[str, Any]:
+def parse_query(query_string: str, defaults: dict[str, Any], metric: str = "cosine",
+                calibrated: bool | None = None) -> dict[str, Any]:
     """The per-request options from the query string (``k``, ``threshold``, ``adaptive``, ``rerank``) over the
     server's ``defaults``; :class:`BadRequest` (400) naming a bad or unknown parameter, a re-ranking the index's
     ``metric`` does not allow, or one whose ``candidates`` exceed ``MAX_K``."""
     params = parse_qs(query_string, keep_blank_values=True)
-    unknown = sorted(set(params) - {"k", "threshold", "adaptive", "rerank"})
+    unknown = sorted(set(params) - {"k", "threshold", "adaptive", "rerank", "matches_only"})
     if unknown:
         raise BadRequest(400, f"unknown query parameter(s) {', '.join(unknown)}; accepted: k, threshold, adaptive, "
-                              "rerank")
+                              "rerank, matches_only")
     for name, values in params.items():
         if len(values) > 1:
             raise BadRequest(400, f"query parameter {name!r} given {len(values)} times")
@@ -259,6 +262,14 @@ def parse_query(query_string: str, defaults: dict[str, Any], metric: str = "cosi
     except (CutOptionError, RerankOptionError) as e:
         raise BadRequest(400, f"query parameter: {e}") from None
     out.update(threshold=cut.threshold, adaptive=cut.adaptive, rerank=None if rerank is None else rerank.spec())
+    if "matches_only" in params:  # calibrated thresholds (lightning_dml.index.calibrate)
+        raw = params["matches_only"][0].strip().lower()
+        if raw not in ("true", "false", "1", "0"):
+            raise BadRequest(400, f"query parameter matches_only={raw!r} must be true or false")
+        out["matches_only"] = raw in ("true", "1")
+    if out.get("matches_only") and calibrated is False:
+        raise BadRequest(400, "query parameter matches_only: the index has no calibrated threshold (lightning-dml "
+                              "index calibrate)")
     return out
 
 
@@ -278,10 +289,12 @@ class SearchRequestMiddleware:
     :class:`SearchAPI` decodes."""
 
     def __init__(self, app: Any, *, defaults: dict[str, Any], max_image_bytes: int = MAX_IMAGE_BYTES,
-                 limits: RequestLimits | None = None, metric: str = "cosine", path: str = SEARCH_PATH) -> None:
+                 limits: RequestLimits | None = None, metric: str = "cosine", path: str = SEARCH_PATH,
+                 calibrated: bool | None = None) -> None:
         self.app = app
         self.defaults = defaults
         self.metric = metric
+        self.calibrated = calibrated  # None: not known here (the model worker refuses matches_only then)
         self.limits = RequestLimits.of(max_image_bytes) if limits is None else limits
         self.path = path
         self._decode_slots: asyncio.Semaphore | None = None
@@ -331,7 +344,8 @@ class SearchRequestMiddleware:
     async def _payload(self, scope: dict, receive: Any, held: list[int]) -> dict[str, Any]:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         content_type = headers.get("content-type", "").split(";")[0].strip().lower()
-        options = parse_query(scope.get("query_string", b"").decode("latin-1"), self.defaults, self.metric)
+        options = parse_query(scope.get("query_string", b"").decode("latin-1"), self.defaults, self.metric,
+                              self.calibrated)
         if content_type in IMAGE_TYPES:
             limit, single, option = self.limits.max_image_bytes, True, "--max_image_bytes"
         elif content_type == "application/json":
@@ -596,10 +610,11 @@ class SearchAPI(_LitAPI):  # type: ignore[misc, valid-type]
             if "error" in request:
                 out[r] = {"error": request["error"], "status": request["status"]}
                 continue
-            key = (request["k"], request["rerank"], request["threshold"], request["adaptive"])
+            key = (request["k"], request["rerank"], request["threshold"], request["adaptive"],
+                   bool(request.get("matches_only", False)))
             groups.setdefault(key, []).append(r)
         step = max(1, int(getattr(self.embedder, "batch_size", 64)))
-        for (k, rerank, threshold, adaptive), members in groups.items():
+        for (k, rerank, threshold, adaptive, matches_only), members in groups.items():
             try:
                 pixels = [p for r in members for p in x[r]["images"]]
                 with torch.no_grad():
@@ -607,7 +622,8 @@ class SearchAPI(_LitAPI):  # type: ignore[misc, valid-type]
                         self.embedder.model(torch.stack(pixels[s : s + step]).to(self.embedder.device)).float()
                         for s in range(0, len(pixels), step)
                     ])
-                found = search_embeddings(self.index, queries, k, rerank, SearchCut(threshold, adaptive))
+                found = search_embeddings(self.index, queries, k, rerank, SearchCut(threshold, adaptive),
+                                          matches_only)
             except Exception as e:  # noqa: BLE001 - the requests of this group fail, not the others of the batch
                 for r in members:
                     out[r] = {"error": _failure("search", e), "status": 500}
@@ -650,6 +666,8 @@ def build_server(
     store: str = "faiss",
     uri: str | None = None,
     metric: str = "cosine",
+    matches_only: bool = False,
+    calibrated: bool | None = None,
 ) -> Any:
     """The ``LitServer`` of an index folder (``server.run(host=..., port=...)`` starts it); ``metric``: the index's
     (a request's re-ranking is checked against it before it reaches the model); ``limits``: what a request may
@@ -658,7 +676,8 @@ def build_server(
         raise ServeOptionError("lightning-dml serve needs LitServe: pip install 'lightning-dml[serve]'")
     limits = RequestLimits() if limits is None else limits
     limits.check()
-    defaults = {"k": int(k), "rerank": rerank, "threshold": threshold, "adaptive": adaptive}
+    defaults = {"k": int(k), "rerank": rerank, "threshold": threshold, "adaptive": adaptive,
+                "matches_only": bool(matches_only)}
     api = SearchAPI(index_dir, max_batch_size=max_batch_size, batch_timeout=batch_timeout, limits=limits,
                     store=store, uri=uri)
     return ls.LitServer(
@@ -667,7 +686,8 @@ def build_server(
         workers_per_device=workers_per_device,
         timeout=timeout,
         disable_openapi_url=True,  # no /openapi.json, hence no /docs either (FastAPI serves /docs from the schema)
-        middlewares=[(SearchRequestMiddleware, {"defaults": defaults, "limits": limits, "metric": metric}),
+        middlewares=[(SearchRequestMiddleware, {"defaults": defaults, "limits": limits, "metric": metric,
+                                                "calibrated": calibrated}),
                      JSONErrorMiddleware],  # outside SearchRequestMiddleware: every route's answers
     )
 
@@ -686,6 +706,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rerank", default=None, help="default re-ranking (as lightning-dml search --rerank)")
     p.add_argument("--threshold", default=None, help="default similarity threshold (as search --threshold)")
     p.add_argument("--adaptive", default=None, help="default adaptive cut N (as search --adaptive)")
+    p.add_argument("--matches_only", action="store_true", help="by default answer only the results that match "
+                   "under the index's calibrated threshold (as search --matches_only; ?matches_only=false: all)")
     p.add_argument("--max_batch_size", type=int, default=8, help="requests embedded together (default 8)")
     p.add_argument("--batch_timeout", type=float, default=0.01,
                    help="seconds to wait for a batch to fill (default 0.01)")
@@ -766,6 +788,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     metric = index.metric
     if rerank is not None:
         rerank.check_metric(metric)
+    from lightning_dml.index.calibrate import CalibrationError, check_calibration
+
+    calibrated = check_calibration(index.manifest, args.index) is not None  # another checkpoint's: refused here
+    if args.matches_only and not calibrated:
+        raise CalibrationError(f"--matches_only: the index {args.index} has no calibrated threshold (lightning-dml "
+                               "index calibrate)")
     check_model(index, args.index)
     close_index(index)  # Milvus Lite: the model worker opens the database next
     del index
@@ -774,6 +802,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         adaptive=cut.adaptive, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout,
         limits=limits, accelerator=args.accelerator,
         workers_per_device=args.workers_per_device, timeout=args.timeout, metric=metric,
+        matches_only=args.matches_only, calibrated=calibrated,
         store=args.store, uri=args.uri,
     )
     print(f"lightning-dml serve: {args.index} on http://{args.host}:{args.port} (POST /search, GET /health)",

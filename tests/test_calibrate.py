@@ -1,0 +1,193 @@
+"""Calibrated match thresholds (issue 30 s.2): ``lightning-dml index calibrate``, the ``match`` flags of ``search``
+and ``serve``, and the acceptance test (an index built from a checkpoint, calibrated at FMR 0.01 on labelled items
+with tied scores, served through the real server; every figure against a float64 brute force over all pairs)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tests.test_index_cli import _main_capture, _one_error
+from tests.test_serve import _free_port, _request, index_dir, server  # noqa: F401 (fixtures: one server start)
+
+pytest.importorskip("faiss")
+
+
+# --------------------------------------------------------------------------------------------- brute force
+def brute_pairs(x: np.ndarray, labels: np.ndarray, metric: str) -> tuple[np.ndarray, np.ndarray]:
+    """float64 scores of every ordered pair (a, b), a != b, split into (positives, negatives); written from the
+    definition (cosine of the rows, or the negated squared distance), independent of the engine."""
+    x = x.astype(np.float64)
+    if metric == "cosine":
+        x = x / np.linalg.norm(x, axis=1, keepdims=True)
+        s = x @ x.T
+    else:
+        s = -((x[:, None, :] - x[None, :, :]) ** 2).sum(-1)
+    off = ~np.eye(len(x), dtype=bool)
+    same = labels[:, None] == labels[None, :]
+    return s[off & same], s[off & ~same]
+
+
+def check_threshold(found: dict, pos: np.ndarray, neg: np.ndarray, fmr: str, tol: float = 0.0) -> None:
+    """The definition: theta is a negative score, FMR(theta) <= F, and every lower threshold accepts more than
+    floor(F x negatives) negatives (theta is the smallest such threshold: the largest FMR <= F); the figures are the
+    brute-force counts."""
+    allowed = math.floor(Fraction(fmr) * len(neg))
+    theta = found["threshold"]
+    assert np.min(np.abs(neg - theta)) <= tol  # a negative pair's score
+    above = int((neg > theta + tol).sum())
+    assert above <= allowed
+    assert int((neg >= theta - tol).sum()) > allowed  # any threshold below theta accepts too many
+    assert found["fmr"] == above / len(neg) <= float(Fraction(fmr))
+    assert found["fnmr"] == int((pos <= theta + tol).sum()) / len(pos)
+    assert (found["positives"], found["negatives"]) == (len(pos), len(neg))
+
+
+def test_pair_threshold_equals_brute_force_with_ties():
+    from lightning_dml.index.calibrate import as_indexed, pair_threshold
+
+    rng = np.random.default_rng(0)
+    # small integer vectors: many pairs share a score exactly (squared distances are integers)
+    x = rng.integers(-2, 3, (40, 3)).astype(np.float32)
+    labels = rng.integers(0, 4, 40)
+    pos, neg = brute_pairs(x, labels, "euclidean")
+    for fmr in ("0.01", "0.1", "0.37"):
+        found = pair_threshold(torch.from_numpy(x), torch.from_numpy(labels), fmr, "euclidean")
+        check_threshold(found, pos, neg, fmr)
+        assert int((neg == found["threshold"]).sum()) > 1  # the threshold is a tied score
+    # cosine on the index's vectors: duplicated rows tie exactly
+    xc = torch.from_numpy(np.repeat(rng.normal(size=(20, 8)), 2, axis=0).astype(np.float32))
+    lc = np.repeat(rng.integers(0, 3, 20), 2)
+    lc[::7] = 3
+    v = as_indexed(xc, "cosine")
+    pos, neg = brute_pairs(v.numpy(), lc, "cosine")
+    found = pair_threshold(v, torch.from_numpy(lc), "0.05", "cosine")
+    check_threshold(found, pos, neg, "0.05", tol=1e-12)
+
+
+def test_bad_rates_and_sets_are_one_line_errors():
+    from lightning_dml.index.calibrate import CalibrationError, pair_threshold, parse_rate
+
+    for bad in ("0", "1", "-0.1", "abc", "nan", "2"):
+        with pytest.raises(CalibrationError, match="must be a number in \\(0, 1\\)"):
+            parse_rate(bad)
+    assert parse_rate("0.0010") == "0.001"
+    x = torch.randn(6, 4)
+    with pytest.raises(CalibrationError, match="no positive pair"):
+        pair_threshold(x, torch.arange(6), "0.1")
+    with pytest.raises(CalibrationError, match="no negative pair"):
+        pair_threshold(x, torch.zeros(6, dtype=torch.long), "0.1")
+
+
+# --------------------------------------------------------------------------------------------- the index
+@pytest.fixture(scope="module")
+def calibrated(index_dir):  # noqa: F811
+    """The served index calibrated at FMR 0.01 on a labelled folder: the gallery's images plus a copy of one of
+    them in its own class (every pair of the copy ties with the original's), through the CLI."""
+    root = index_dir.parent
+    labelled = root / "labelled"
+    shutil.copytree(root / "gallery", labelled)
+    shutil.copy(labelled / "class1" / "img2.png", labelled / "class1" / "copy.png")
+    code, out, err = _main_capture(["index", "calibrate", "--index", str(index_dir), "--labelled", str(labelled),
+                                    "--fmr", "0.01"])
+    assert code == 0, err[-3000:]
+    return {"labelled": labelled, "out": out, "manifest": json.loads((index_dir / "manifest.json").read_text())}
+
+
+def _labelled_vectors(index, labelled: Path) -> tuple[np.ndarray, np.ndarray]:
+    from lightning_dml.index.calibrate import as_indexed
+    from lightning_dml.index.gallery import read_items
+
+    items = read_items(labelled)
+    with torch.no_grad():
+        x = as_indexed(index.embed_images(items.paths), index.metric).numpy()
+    names = sorted(set(items.labels))
+    return x, np.array([names.index(v) for v in items.labels])
+
+
+@pytest.mark.slow
+def test_acceptance_served_match_flags_agree_with_exact_scores(calibrated, server, index_dir):  # noqa: F811
+    """Issue 30's acceptance: an index built from a checkpoint, calibrated at FMR 0.01 on labelled items (with
+    ties), served: each served ``match`` flag is the exact float64 score of the query and the item against the
+    threshold, and the threshold meets the FMR definition on all labelled pairs (brute force)."""
+    from lightning_dml.index import EmbeddingIndex
+
+    cal = calibrated["manifest"]["calibration"]
+    index = EmbeddingIndex.load(index_dir)
+    assert cal["checkpoint_sha256"] == index.manifest.checkpoint_sha256 and cal["target"] == {"fmr": "0.01"}
+    assert cal["labelled"]["items"] == 16 and len(cal["labelled"]["images_sha256"]) == 64
+    assert f"threshold {cal['threshold']!r}" in calibrated["out"] and "FNMR" in calibrated["out"]
+    x, labels = _labelled_vectors(index, calibrated["labelled"])
+    pos, neg = brute_pairs(x, labels, index.metric)
+    check_threshold(cal, pos, neg, "0.01", tol=1e-12)
+    theta = cal["threshold"]
+    assert int((np.abs(neg - theta) <= 1e-12).sum()) >= 2  # the copy: the threshold's score is tied
+    flags, near = [], 0
+    gallery = index_dir.parent / "gallery"
+    for query in sorted(gallery.rglob("*.png"))[::2]:
+        status, answer = _request(server, "POST", "/search?k=15", query.read_bytes(), "image/png")
+        assert status == 200, answer
+        with torch.no_grad():
+            q = index.embed_images([query])
+        q64 = torch.nn.functional.normalize(q, dim=1).double()
+        for row in answer["results"]:
+            g = index.vectors(torch.tensor([row["id"]])).double()
+            exact = float((q64 / q64.norm()) @ (g / g.norm()).T)
+            if abs(exact - theta) <= 1e-12:
+                near += 1  # a score tied with the threshold: decided by the engine's exact scorer
+                from lightning_dml.index.calibrate import pair_scores
+
+                assert row["match"] == bool(pair_scores(torch.nn.functional.normalize(q, dim=1), g.float()) > theta)
+            else:
+                assert row["match"] == (exact > theta), (query, row, exact, theta)
+            flags.append(row["match"])
+    assert any(flags) and not all(flags)
+    status, answer = _request(server, "POST", "/search?k=15&matches_only=true", query.read_bytes(), "image/png")
+    assert status == 200 and answer["results"] and all(r["match"] for r in answer["results"])
+    status, answer = _request(server, "POST", "/search?matches_only=maybe", query.read_bytes(), "image/png")
+    assert status == 400 and "matches_only" in answer["error"]
+
+
+def test_search_marks_matches_and_refuses_another_checkpoints_threshold(calibrated, index_dir, tmp_path):  # noqa: F811
+    query = index_dir.parent / "gallery" / "class0" / "img1.png"
+    code, out, err = _main_capture(["search", "--index", str(index_dir), "--k", "15", "--format", "csv", str(query)])
+    assert code == 0, err
+    rows = out.splitlines()
+    assert rows[0].endswith(",score,match") and len(rows) == 16
+    matches = [r.split(",")[-1] for r in rows[1:]]
+    assert set(matches) <= {"true", "false"} and matches[0] == "true"
+    code, out, err = _main_capture(["search", "--index", str(index_dir), "--k", "15", "--matches_only", str(query)])
+    found = json.loads(out)["results"]
+    assert code == 0 and len(found) == matches.count("true") and all(r["match"] for r in found)
+
+    other = tmp_path / "other"
+    shutil.copytree(index_dir, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["calibration"]["checkpoint_sha256"] = "0" * 64
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    for command in (["search", "--index", str(other), str(query)], ["serve", "--index", str(other)]):
+        line = _one_error(command)
+        assert "calibrated with checkpoint sha256 000000" in line and "another model" in line
+
+
+def test_uncalibrated_index_and_bad_options_are_one_line(calibrated, index_dir, tmp_path):  # noqa: F811
+    from lightning_dml.index import EmbeddingIndex
+
+    plain = tmp_path / "plain"
+    EmbeddingIndex.build(torch.randn(6, 16)).save(plain)
+    line = _one_error(["search", "--index", str(plain), "--matches_only", str(index_dir.parent / "gallery")])
+    assert "--matches_only" in line and "no calibrated threshold" in line
+    line = _one_error(["index", "calibrate", "--index", str(index_dir), "--labelled", str(calibrated["labelled"]),
+                       "--fmr", "1.5"])
+    assert "--fmr '1.5' must be a number in (0, 1)" in line
+    unlabelled = tmp_path / "one.png"
+    shutil.copy(index_dir.parent / "gallery" / "class0" / "img1.png", unlabelled)
+    line = _one_error(["index", "calibrate", "--index", str(index_dir), "--labelled", str(unlabelled), "--fmr", "0.1"])
+    assert "have no label" in line
