@@ -17,6 +17,10 @@ default, the program formats when asked for with ``--formats``):
   torch.
 * ``embedding_exported.pt2`` (``torch_export``): a ``torch.export`` program with a dynamic batch dimension;
   ``torch.export.load(path).module()`` needs only torch.
+* ``embedding_model.onnx`` (``onnx``): an ONNX model (dynamic batch axis; input ``images``, output ``embeddings``)
+  for ONNX Runtime, verified at export against the module's embeddings, with ``onnx_export.json`` recording the
+  difference; ``--quantize int8`` adds ``embedding_model.int8.onnx`` and its measured error
+  (:mod:`lightning_dml.onnx.export`; the ``onnx`` extra). An ONNX file holds operators and tensors, no code.
 
 **Loading a TorchScript or ``torch.export`` file runs code chosen by whoever wrote it** (TorchScript code, and
 ``torch.export`` archives may hold pickled weights): load only files you made yourself or got from someone you
@@ -61,7 +65,7 @@ TORCHSCRIPT = "embedding_torchscript.pt"
 TORCH_EXPORT = "embedding_exported.pt2"
 #: the preprocessing the model expects (JSON), written beside the weights: see :func:`preprocessing_record`
 INPUT_SPEC = "input_spec.json"
-FORMATS = ("safetensors", "state_dict", "torchscript", "torch_export")
+FORMATS = ("safetensors", "state_dict", "torchscript", "torch_export", "onnx")
 #: what ``python -m lightning_dml.export`` writes without ``--formats``: the formats that load without running code
 DEFAULT_FORMATS = ("safetensors", "state_dict")
 #: the safetensors metadata key holding the architecture record (JSON), and the record's format version
@@ -89,7 +93,9 @@ def embedding_model(module: nn.Module) -> EmbeddingModel:
     """A CPU copy of ``module``'s backbone and head, in eval mode, without gradients.
 
     ``module`` is a ``DMLModule`` (or anything with ``backbone`` and ``head``). Multi-level fusion modules, whose
-    backbone returns several levels, are exported through ``forward_levels``.
+    backbone returns several levels, are exported through ``forward_levels``. A backbone's LoRA adapter is merged
+    into the copy's weights (:func:`~lightning_dml.models.adapters.merge_adapter`: ``W0 + (alpha / r) B A``, the
+    plain ``nn.Linear`` back), so every format loads without ``peft``; VPT's prompts stay part of the model.
     """
     if not (hasattr(module, "backbone") and hasattr(module, "head")):
         raise ValueError(f"{type(module).__name__} has no `backbone` and `head` to export")
@@ -97,6 +103,9 @@ def embedding_model(module: nn.Module) -> EmbeddingModel:
         model: nn.Module = _FusionEmbeddingModel(copy.deepcopy(module.backbone), copy.deepcopy(module.head))
     else:
         model = EmbeddingModel(copy.deepcopy(module.backbone), copy.deepcopy(module.head))
+    from lightning_dml.models.adapters import merge_adapter
+
+    merge_adapter(model.backbone)  # LoRA folded into the weights (the copy's): the export needs no peft
     model = model.cpu().eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -269,6 +278,7 @@ def export_embedding_model(
     example_input: torch.Tensor,
     formats: Sequence[str] = DEFAULT_FORMATS,
     preprocess: tuple[Any, dict[str, Any]] | None = None,
+    quantize: str | None = None,
 ) -> dict[str, Path]:
     """Write the embedding model of ``module`` to ``directory`` in each of ``formats``, and with ``preprocess``
     its preprocessing (``input_spec.json``, :func:`preprocessing_record`).
@@ -283,6 +293,7 @@ def export_embedding_model(
         preprocess: ``(InputSpec, {"crop_size", "resize_size", "mode"})`` of the evaluation transform
             (:func:`lightning_dml.run_model.preprocessing`; :func:`export_checkpoint` passes the run's), written
             as ``input_spec.json``. ``None``: no ``input_spec.json``.
+        quantize: ``"int8"``: with ``"onnx"``, also the int8 ONNX model (:func:`lightning_dml.onnx.export.export_onnx`).
 
     Returns:
         ``{format: path}`` of the files written (and ``"input_spec"``: the preprocessing, with ``preprocess``).
@@ -338,6 +349,15 @@ def export_embedding_model(
         program = torch.export.export(model, (example,), dynamic_shapes={"images": {0: batch}})
         _atomic_write(out / TORCH_EXPORT, lambda p: torch.export.save(program, str(p)))
         written["torch_export"] = out / TORCH_EXPORT
+    if "onnx" in formats:  # verified against `reference`'s model on the example: fails with the difference
+        from lightning_dml.onnx.export import export_onnx
+        from lightning_dml.onnx.runtime import ONNX_INT8_MODEL, ONNX_MODEL, ONNX_RECORD
+
+        onnx_record = export_onnx(model, example, out, quantize=quantize)
+        written["onnx"] = out / ONNX_MODEL
+        if onnx_record["int8"] is not None:
+            written["onnx_int8"] = out / ONNX_INT8_MODEL
+        written["onnx_record"] = out / ONNX_RECORD
     if preprocess is not None:
         metric = str(getattr(getattr(module, "test_metrics", None), "metric", "cosine"))
         spec_record = preprocessing_record(preprocess[0], preprocess[1], example.shape[1:], reference.shape[1], metric)
@@ -395,6 +415,7 @@ def export_checkpoint(
     directory: str | os.PathLike,
     formats: Sequence[str] = DEFAULT_FORMATS,
     batch_size: int = 2,
+    quantize: str | None = None,
 ) -> dict[str, Path]:
     """Export the embedding model of a ``lightning-dml`` checkpoint, rebuilt from the run's config (the
     ``config.yaml`` that ``fit`` saves, or the config given to ``fit``: :func:`lightning_dml.run_model.load_run_model`).
@@ -407,7 +428,7 @@ def export_checkpoint(
     module, datamodule, _ = load_run_model(config, ckpt_path)
     datamodule.setup("test")
     images = next(iter(datamodule.test_dataloader()))[0][:batch_size]
-    return export_embedding_model(module, directory, images, formats, preprocessing(module, datamodule))
+    return export_embedding_model(module, directory, images, formats, preprocessing(module, datamodule), quantize)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -418,10 +439,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--output", required=True, help="output folder")
     parser.add_argument("--formats", nargs="+", default=list(DEFAULT_FORMATS), choices=FORMATS,
                         help="safetensors and state_dict (default) load without running code; torchscript and "
-                        "torch_export run code when loaded: share them only with people who trust you")
+                        "torch_export run code when loaded: share them only with people who trust you; onnx "
+                        "(ONNX Runtime, verified at export) needs the onnx extra")
+    parser.add_argument("--quantize", choices=("int8",), default=None,
+                        help="with --formats onnx: also embedding_model.int8.onnx (dynamic int8 quantisation), its "
+                        "embedding error recorded in onnx_export.json")
     args = parser.parse_args(argv)
     try:
-        written = export_checkpoint(args.config, args.ckpt_path, args.output, args.formats)
+        if args.quantize and "onnx" not in args.formats:
+            raise UserInputError("--quantize int8 quantises the ONNX model: add onnx to --formats")
+        written = export_checkpoint(args.config, args.ckpt_path, args.output, args.formats, quantize=args.quantize)
     except UserInputError as error:
         parser.exit(1, f"{parser.prog}: error: {error}\n")
     for name, path in written.items():

@@ -22,6 +22,7 @@ from lightning_dml.losses.distributed import gathered_loss
 from lightning_dml.losses.partial_fc import add_sharded_state, check_sharded_fit, take_sharded_state
 from lightning_dml.miners import Miner, MinedLoss, build_miner
 from lightning_dml.metrics import RetrievalMetrics, progress_bars
+from lightning_dml.models.adapters import adapter_frozen_parameters, drop_frozen_weights, restore_frozen_weights
 from lightning_dml.models.backbones import check_levels
 from lightning_dml.models.heads import LinearEmbedding, MultiLevelEmbedding
 from lightning_dml.regularizers import RegularizationTerms
@@ -382,6 +383,7 @@ class DMLModule(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint.setdefault("lightning_dml", {})["architecture"] = self.architecture()
+        drop_frozen_weights(self.backbone, checkpoint)  # an adapter's checkpoint: the trained weights alone
         if self.__dict__.get("sharded_loss_held"):  # all classes' centres, as an unsharded run saves them
             add_sharded_state(self.loss, checkpoint)
 
@@ -439,6 +441,7 @@ class DMLModule(pl.LightningModule):
                 raise CheckpointMismatchError(f"{where} does not fit this model's loss: {error}") from None
         if self.__dict__.get("sharded_loss_held"):  # this process's rows of the centres and of their optimizer state
             take_sharded_state(self.loss, checkpoint)
+        restore_frozen_weights(self.backbone, checkpoint, where)  # an adapter's: on top of the frozen weights
         strategy = getattr(trainer, "strategy", None)
         if strategy is None or isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):  # not a sharded model
             self._check_weights_fit(checkpoint, where)
@@ -644,6 +647,7 @@ class DMLModule(pl.LightningModule):
         """Freeze (no gradient, eval mode) or release the backbone; frozen BN parameters stay frozen."""
         self._backbone_frozen = frozen
         bn_params = {id(p) for p in self._backbone_bn_parameters()} if self.freeze_bn else set()
+        bn_params |= {id(p) for p in adapter_frozen_parameters(self.backbone).values()}  # they stay frozen
         for p in self.backbone.parameters():
             p.requires_grad_(not frozen and id(p) not in bn_params)
         if not frozen and self.training:
@@ -719,6 +723,7 @@ class DMLModule(pl.LightningModule):
         loss_params = {id(p): p for f in self.trained_losses() for p in f.parameters() if p.requires_grad}
         loss_params = list(loss_params.values())  # once each (the first level's loss is also `self.loss`)
         frozen = {id(p) for p in self._backbone_bn_parameters()} if self.freeze_bn else set()
+        frozen |= {id(p) for p in adapter_frozen_parameters(self.backbone).values()}  # an adapter's frozen weights
         backbone_params = [p for p in self.backbone.parameters() if id(p) not in frozen]
         if self.layer_decay is None:
             groups = [{"params": backbone_params, "name": "backbone"}]

@@ -77,15 +77,17 @@ def read_run_config(config: str | os.PathLike) -> dict[str, Any]:
 def run_config_cli(cfg: dict[str, Any]) -> Any:
     """The :class:`~lightning_dml.cli.DMLCLI` of run config ``cfg`` without a subcommand: model and data module
     instantiated, on the CPU, no logger, no checkpointing, no seed set; a pretrained backbone is not downloaded
-    (the checkpoint holds its weights)."""
+    (the checkpoint holds its weights), unless it has an adapter (its checkpoint holds the adapter alone)."""
     import yaml
 
     from lightning_dml.cli import build_cli
 
     cfg = {k: v for k, v in copy.deepcopy(cfg).items() if k not in command_options()}
     backbone_args = (cfg["model"].get("backbone") or {}).get("init_args") if isinstance(cfg["model"], dict) else None
-    if isinstance(backbone_args, dict) and "pretrained" in backbone_args:
-        backbone_args["pretrained"] = False  # the checkpoint holds the weights: no download, no cache needed
+    if isinstance(backbone_args, dict) and "pretrained" in backbone_args and not backbone_args.get("adapter"):
+        # the checkpoint holds the weights: no download, no cache needed (an adapter's holds the adapter alone:
+        # it loads on top of the pretrained weights, models/adapters.py)
+        backbone_args["pretrained"] = False
     cfg["trainer"] = {"logger": False, "enable_checkpointing": False, "accelerator": "cpu", "devices": 1}
     cfg["seed_everything"] = False  # nothing random: no "seed set" lines
     with warnings.catch_warnings():
@@ -112,6 +114,9 @@ def load_run_model(config: str | os.PathLike, ckpt_path: str | os.PathLike) -> t
     hparams = checkpoint.get("hyper_parameters") or {}
     if hparams.get("loss_sizes"):
         module._apply_loss_sizes(hparams["loss_sizes"])  # noqa: SLF001 - the library's own module
+    from lightning_dml.models.adapters import restore_frozen_weights
+
+    restore_frozen_weights(module.backbone, checkpoint, f"--ckpt_path {ckpt_path}")  # an adapter-only checkpoint
     missing, unexpected = [], []
     try:
         result = module.load_state_dict(checkpoint["state_dict"], strict=False)

@@ -27,6 +27,7 @@ Pretrained weights come through timm's own loading: ``pretrained=True`` download
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
@@ -37,6 +38,7 @@ from torch import nn
 
 from lightning_dml.download import env_flag, is_offline
 from lightning_dml.errors import DownloadError, MissingFileError, OfflineError, UserInputError
+from lightning_dml.models.adapters import LORA_TARGETS, apply_adapter
 from lightning_dml.models.backbones import Backbone
 from lightning_dml.models.input_spec import INTERPOLATIONS, InputSpec
 
@@ -115,6 +117,15 @@ class TimmBackbone(Backbone):
         model_kwargs: further ``timm.create_model`` arguments as one mapping (``{depth: 6}``,
             ``{pretrained_cfg_overlay: {...}}``): the form a YAML config can give.
         timm_kwargs: the same as keyword arguments (Python); ``num_classes`` is always 0.
+        adapter: parameter-efficient fine-tuning (:mod:`lightning_dml.models.adapters`, docs/models.md
+            "Adapters"): ``"lora"`` (LoRA through ``peft`` on the ``lora_targets`` linears, rank ``lora_r``,
+            scaling ``lora_alpha / lora_r``, ``lora_dropout`` on the adapter's input), ``"bias"`` (BitFit),
+            ``"norm"`` (normalisation layers only) or ``"vpt"`` (VPT-deep, ``vpt_tokens`` prompts per block; timm
+            ViTs). Only the adapter's parameters of the timm model train (and GeM's ``p``); checkpoints hold them
+            without the frozen weights. ``None`` (default): every parameter trains.
+        lora_r, lora_alpha, lora_dropout, lora_targets: LoRA's rank, scale numerator, dropout and target linears
+            (module names or name suffixes; default ``attn.qkv``, ``attn.proj``, ``mlp.fc1``, ``mlp.fc2``).
+        vpt_tokens: VPT's prompt tokens per block.
 
     Attributes:
         out_features: width of ``forward``'s output.
@@ -133,6 +144,12 @@ class TimmBackbone(Backbone):
         weights_path: str | None = None,
         img_size: int | None = None,
         model_kwargs: dict[str, Any] | None = None,
+        adapter: str | None = None,
+        lora_r: int = 8,
+        lora_alpha: float = 8.0,
+        lora_dropout: float = 0.0,
+        lora_targets: Sequence[str] = LORA_TARGETS,
+        vpt_tokens: int = 10,
         **timm_kwargs: Any,
     ) -> None:
         super().__init__()
@@ -152,6 +169,7 @@ class TimmBackbone(Backbone):
         model = self.model
         if grad_checkpointing:
             model.set_grad_checkpointing(True)
+        self.adapter = adapter
         self.num_prefix_tokens = int(getattr(model, "num_prefix_tokens", 0) or 0)
         self.has_class_token = getattr(model, "cls_token", None) is not None
         native = _native_pooling(model)
@@ -187,6 +205,14 @@ class TimmBackbone(Backbone):
             self._level_indices = indices
             self.level_features = tuple(int(info[i]["num_chs"]) for i in indices[:-1]) + (self.out_features,)
             self.level_names = tuple(str(info[i]["module"]) for i in indices)
+        #: names (relative to this module) of the parameters the adapter keeps frozen; empty without adapter
+        self.adapter_frozen_names: frozenset[str] = frozenset()
+        if adapter is not None:
+            prompts = apply_adapter(model, model_name, adapter, lora_r=lora_r, lora_alpha=lora_alpha,
+                                    lora_dropout=lora_dropout, lora_targets=lora_targets, vpt_tokens=vpt_tokens)
+            if prompts is not None:
+                self.vpt = prompts
+            self.adapter_frozen_names = frozenset(n for n, p in self.named_parameters() if not p.requires_grad)
 
     # ------------------------------------------------------------------ pooling
     def _pool(self, tokens: torch.Tensor, prefix: torch.Tensor | None, mode: str) -> torch.Tensor:
@@ -237,7 +263,8 @@ class TimmBackbone(Backbone):
         return levels
 
     def extra_repr(self) -> str:
-        return f"model_name={self.model_name!r}, pooling={self.pooling!r}"
+        adapter = f", adapter={self.adapter!r}" if self.adapter is not None else ""
+        return f"model_name={self.model_name!r}, pooling={self.pooling!r}{adapter}"
 
 
 def _create_model(

@@ -54,6 +54,7 @@ from lightning_dml.cli_parsing import CommandParser
 from lightning_dml.checkpoints import read_checkpoint, read_torch_file
 from lightning_dml.metrics import RetrievalMetrics
 from lightning_dml.metrics.retrieval import eval_batch_targets
+from lightning_dml.models.adapters import restore_frozen_weights
 from lightning_dml.protocol.budget import ProtocolError, load_budget
 from lightning_dml.protocol.launch import (
     class_lists,
@@ -215,6 +216,7 @@ def run_fold(fit_args: Sequence[str], run_dir: Path, num_folds: int, fold: int, 
             checkpoint = getattr(callback, "best_model_path", "") if callback else ""
             if checkpoint:
                 state = read_checkpoint(checkpoint, what="the fold's best checkpoint")  # tensors only
+                restore_frozen_weights(model.backbone, state, f"checkpoint {checkpoint}")  # an adapter's: on the frozen weights
                 model.load_state_dict(state["state_dict"])
             saved = embed_test_split(model, cli.datamodule)
             saved["val"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
