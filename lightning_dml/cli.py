@@ -29,6 +29,7 @@ from pytorch_lightning.utilities import rank_zero_only
 
 from lightning_dml import __version__
 from lightning_dml.callbacks import PeriodicCheckpoint, PredictionWriter, ValidationSummary
+from lightning_dml.callbacks.pairwise_test import PairwiseRerankTest
 from lightning_dml.callbacks.predictions import check_output_path
 from lightning_dml.cli_parsing import exit_with_error, option_names
 from lightning_dml.checkpoints import (
@@ -306,6 +307,13 @@ class DMLCLI(LightningCLI):
             "atomically, its path and contents printed; a folder or a place that cannot be written is refused "
             "before the model runs",
         )
+        parser.add_argument(  # on every command as --output (a dumped config holds rerank: null); test uses it
+            "--rerank",
+            type=str | None,
+            default=None,
+            help="test: also the metrics of the exact ranked lists with each query's first top_n re-scored by a "
+            "learned pairwise re-ranker, pairwise:model=DIR,top_n=N (printed as pairwise/...; docs/reranking.md)",
+        )
 
     # ------------------------------------------------------------------------------------- the checkpoint to load
     def parse_arguments(self, parser: Any, args: Any) -> None:
@@ -316,6 +324,8 @@ class DMLCLI(LightningCLI):
         quiet_dependency_warnings(subcommand)
         if subcommand and subcommand != "predict" and self.config[subcommand].get("output") is not None:
             raise UserInputError(f"--output is an option of predict; {subcommand} writes no predictions file")
+        if subcommand and subcommand != "test" and self.config[subcommand].get("rerank") is not None:
+            raise UserInputError(f"--rerank is an option of test; {subcommand} re-ranks nothing")
         self.check_checkpoint(parser, args)
 
     def check_checkpoint(self, parser: Any, args: Any) -> None:
@@ -428,6 +438,9 @@ class DMLCLI(LightningCLI):
     def before_test(self) -> None:
         self._warn_without_checkpoint("test")
         self._one_metrics_table("test")
+        for callback in self.trainer.callbacks:  # --rerank: its folder and base checkpoint before the model runs
+            if isinstance(callback, PairwiseRerankTest):
+                callback.check_checkpoint(self.config_init["test"].get("ckpt_path"))
 
     def before_predict(self) -> None:
         """The warning without ``--ckpt_path``; ``--output`` checked (:func:`~lightning_dml.callbacks.predictions.
@@ -498,6 +511,8 @@ class DMLCLI(LightningCLI):
         callbacks = [*_as_list(trainer_config.get("callbacks")), *self.checkpoint_callbacks(trainer_config)]
         if self.subcommand == "predict" and not any(isinstance(cb, BasePredictionWriter) for cb in callbacks):
             callbacks.append(PredictionWriter(config.get("output")))
+        if self.subcommand == "test" and config.get("rerank") is not None:  # the learned re-ranker's metrics
+            callbacks.append(PairwiseRerankTest(config["rerank"]))
         trainer = super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
         if "logger" not in kwargs and any(isinstance(logger, WandbLogger) for logger in trainer.loggers):
             parsed = self.config.get(str(self.subcommand), self.config).get("trainer") or {}

@@ -26,7 +26,8 @@ all-vs-all mode: the item itself is dropped from its index results); with ``quer
 model and their labels) they are ranked against the whole gallery. Every gallery item (and query) needs a label.
 
 Re-ranking: ``rerank`` (a ``--rerank`` text, :func:`lightning_dml.index.rerank.parse_rerank`) adds a row of the
-exact ranking re-ranked (:func:`lightning_dml.index.rerank.rerank_metrics`).
+exact ranking re-ranked (:func:`lightning_dml.index.rerank.rerank_metrics`; the learned pairwise re-ranker:
+:func:`lightning_dml.index.pairwise.pairwise_metrics`).
 """
 
 from __future__ import annotations
@@ -92,6 +93,13 @@ def evaluate_index(
         raise EvaluationError(f"index {index.folder}: {len(index)} item(s); evaluation needs at least 2")
     _check_labels(index.table.labels, index.table.paths, f"index {index.folder}")
     loo = queries is None
+    if rerank:  # a learned re-ranker that cannot re-rank this index is refused before any work
+        from lightning_dml.index.pairwise import PairwiseRerank
+        from lightning_dml.index.rerank import parse_rerank
+
+        pairwise = parse_rerank(rerank)
+        if isinstance(pairwise, PairwiseRerank):
+            pairwise.check_index(index, queries_are_images=loo)
     if not loo:
         if query_labels is None or len(query_labels) != queries.shape[0]:
             raise ValueError("query_labels must give one label per query")
@@ -145,10 +153,14 @@ def evaluate_index(
         f" + rescore {vector_options['rescore']}" if "rescore" in vector_options else "")
     rows = {"exact": exact_rows, f"index ({index.kind}{packed})": approx}
     if rerank:
+        from lightning_dml.index.pairwise import PairwiseRerank, pairwise_metrics
         from lightning_dml.index.rerank import parse_rerank, rerank_metrics
 
         reranker = parse_rerank(rerank)
-        if reranker is not None:
+        if isinstance(reranker, PairwiseRerank):  # the exact lists, their first top_n re-scored
+            rows[f"exact + {rerank}"] = pairwise_metrics(reranker, index, None if loo else queries,
+                                                         None if loo else ql, gl, recall_at=recall_at)
+        elif reranker is not None:
             rows[f"exact + {rerank}"] = rerank_metrics(
                 reranker, gallery, gl, None if loo else qv, None if loo else ql, recall_at=recall_at,
                 metric=index.metric,

@@ -524,13 +524,18 @@ def parse_rerank(text: str | None) -> Reranker | None:
     (``alpha=3, n=2``), ``dba`` (``alpha=3, n=2, candidates=100``). E.g. ``kreciprocal:k1=20,k2=6,lambda=0.3``,
     ``aqe:alpha=3,n=2``. Values outside :data:`RERANK_LIMITS` (``k1, k2, n`` in 1..1000, ``candidates`` in
     1..10000, ``lambda`` in [0, 1], ``alpha`` in [0, 100]) and anything else raise :class:`RerankOptionError`
-    naming the method, key or value.
+    naming the method, key or value. The learned re-ranker, ``pairwise:model=DIR,top_n=N``, alone or after one of
+    these joined by ``+``: :func:`lightning_dml.index.pairwise.parse_chain`.
     """
     if text is None:
         return None
     spec = str(text).strip()
     if spec in ("", "none"):
         return None
+    if "+" in spec or spec.partition(":")[0].strip().lower() == "pairwise":  # the learned re-ranker, last
+        from lightning_dml.index.pairwise import parse_chain
+
+        return parse_chain(spec, parse_rerank)
     name, _, rest = spec.partition(":")
     name = name.strip().lower()
     if name not in RERANKERS:

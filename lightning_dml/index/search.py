@@ -59,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--adaptive", default=None,
                    help="cut each list at its first gap larger than N times its mean gap (open-metric-learning)")
     p.add_argument("--rerank", default=None, help="re-ranking: kreciprocal[:k1=20,k2=6,lambda=0.3,candidates=100], "
-                   "aqe[:alpha=3,n=2] or dba[:alpha=3,n=2,candidates=100]")
+                   "aqe[:alpha=3,n=2] or dba[:alpha=3,n=2,candidates=100]; the learned pairwise:model=DIR,top_n=N, "
+                   "alone or after one of them joined by + (docs/reranking.md)")
     p.add_argument("--batch_size", type=int, default=64, help="query images embedded together (default 64)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
     p.add_argument("--split", default=None, help="a query table's rows of this split only")
@@ -79,18 +80,29 @@ def search_images(index, images: Sequence, k: int, rerank: str | None = None, cu
     for start in range(0, len(images), batch_size):
         with torch.no_grad():
             queries = index.embed_images(images[start : start + batch_size])
-        out.extend(search_embeddings(index, queries, k, rerank, cut, matches_only))
+        from lightning_dml.index.pairwise import query_inputs  # the pixels of an images pairwise re-ranker
+
+        inputs = query_inputs(index, rerank, images[start : start + batch_size])
+        out.extend(search_embeddings(index, queries, k, rerank, cut, matches_only, query_inputs=inputs))
     return out
 
 
 def search_embeddings(index, queries: torch.Tensor, k: int, rerank: str | None = None, cut=None,
-                      matches_only: bool = False) -> list[list[dict]]:
+                      matches_only: bool = False, query_inputs: torch.Tensor | None = None) -> list[list[dict]]:
     """Result lists of raw query embeddings ``[Q, D]`` of the index's model: searched, re-ranked (``rerank``: a
     ``--rerank`` text; its ``candidates`` and ``n`` clamped to the index's size), cut (``cut``); one list of
-    ``{"id", "path", "label", "score"}`` per query, best first (what :func:`search_images` does after embedding)."""
+    ``{"id", "path", "label", "score"}`` per query, best first (what :func:`search_images` does after embedding).
+    ``query_inputs``: the queries' model inputs ``[Q, C, H, W]``, for a pairwise re-ranker of images
+    (:mod:`lightning_dml.index.pairwise`)."""
     from lightning_dml.index.rerank import parse_rerank, rerank_search
 
-    scores, ids = rerank_search(index, queries, k, parse_rerank(rerank))
+    from lightning_dml.index.pairwise import PairwiseRerank, search_index
+
+    reranker = parse_rerank(rerank)
+    if isinstance(reranker, PairwiseRerank):  # the learned re-ranker: the index's items (vectors or images)
+        scores, ids = search_index(index, reranker, queries, k, query_inputs)
+    else:
+        scores, ids = rerank_search(index, queries, k, reranker)
     if cut:
         scores, ids = cut.apply(scores, ids)
     from lightning_dml.index.calibrate import mark_results
@@ -127,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name, found in zip(items.names, results):
             out.write(json.dumps({"query": name, "results": found}, ensure_ascii=False) + "\n")
     else:
+        if hasattr(reranker, "check_index"):  # pairwise: its folder, base checkpoint and inputs, before any work
+            reranker.check_index(index)
         writer = csv.writer(out, lineterminator="\n")
         marked = index.manifest.calibration is not None  # a calibrated index: a match column
         writer.writerow(["query", "rank", "id", "path", "label", "score"] + ["match"] * marked)

@@ -36,7 +36,10 @@ must arrive within ``body_timeout`` seconds; the bodies of the requests an API s
 and not yet answered) total at most ``max_pending_bytes`` (503 past it: retry); ``k`` is at most ``MAX_K`` and a
 re-ranking's ``candidates`` at most ``MAX_K`` too (its other options within
 :data:`~lightning_dml.index.rerank.RERANK_LIMITS`; ``candidates`` and ``n`` are clamped to the gallery size,
-:meth:`~lightning_dml.index.rerank.Reranker.search`).
+:meth:`~lightning_dml.index.rerank.Reranker.search`); the learned pairwise re-ranker's ``top_n`` at most
+``MAX_PAIRWISE_TOP_N``, its pairs (images x ``top_n``) at most ``MAX_PAIRWISE_PAIRS`` per request (413), and a
+request may use the server's own re-ranker folder (``serve --rerank pairwise:model=DIR``) only
+(:func:`check_served_rerank`).
 
 Bad requests get a 4xx JSON answer ``{"error": "..."}`` naming the problem, and never reach the model, so one bad
 request never fails the requests batched with it and the server keeps serving: wrong ``Content-Type`` (415), an
@@ -96,6 +99,9 @@ BATCH_FACTOR = 4
 MAX_BATCH_IMAGES = 64
 #: Largest ``k`` a request may ask for, and largest re-ranking ``candidates``
 MAX_K = 1000
+#: Largest ``top_n`` of the learned pairwise re-ranker, and most (query, candidate) pairs it scores per request
+MAX_PAIRWISE_TOP_N = 100
+MAX_PAIRWISE_PAIRS = 1024
 #: Seconds a request's body may take to arrive (``--body_timeout``)
 BODY_TIMEOUT = 30.0
 #: JSON body allowance beyond the base64 text: per image (quotes, comma, spaces) and per body (braces, key)
@@ -258,7 +264,7 @@ def parse_query(query_string: str, defaults: dict[str, Any], metric: str = "cosi
         rerank = parse_rerank(params.get("rerank", [out["rerank"]])[0])
         if rerank is not None:
             rerank.check_metric(metric)
-            check_served_rerank(rerank)
+            check_served_rerank(rerank, parse_rerank(defaults.get("rerank")))
     except (CutOptionError, RerankOptionError) as e:
         raise BadRequest(400, f"query parameter: {e}") from None
     out.update(threshold=cut.threshold, adaptive=cut.adaptive, rerank=None if rerank is None else rerank.spec())
@@ -273,13 +279,39 @@ def parse_query(query_string: str, defaults: dict[str, Any], metric: str = "cosi
     return out
 
 
-def check_served_rerank(rerank: Any) -> None:
+def check_served_rerank(rerank: Any, served: Any = None) -> None:
     """:class:`~lightning_dml.index.rerank.RerankOptionError` for a re-ranking whose ``candidates`` exceed this
     server's ``MAX_K`` (k-reciprocal's work grows with ``(candidates + 1)^3`` per query, DBA's by one search per
-    candidate; the other options are bounded by ``RERANK_LIMITS`` and by the gallery size)."""
+    candidate; the other options are bounded by ``RERANK_LIMITS`` and by the gallery size). The learned pairwise
+    re-ranker (:mod:`lightning_dml.index.pairwise`): ``top_n`` at most ``MAX_PAIRWISE_TOP_N`` (one model call per
+    pair), and only the re-ranker folder the server was started with (``served``, its ``--rerank``): a request
+    never makes the server read another folder."""
+    from lightning_dml.index.pairwise import PairwiseRerank
+
+    if isinstance(rerank, PairwiseRerank):
+        if rerank.top_n > MAX_PAIRWISE_TOP_N:
+            raise RerankOptionError(f"--rerank pairwise: top_n={rerank.top_n} over this server's limit of "
+                                    f"{MAX_PAIRWISE_TOP_N}")
+        mine = served.model if isinstance(served, PairwiseRerank) else None
+        if mine is None or os.path.realpath(rerank.model) != os.path.realpath(mine):
+            raise RerankOptionError(f"--rerank pairwise: model={rerank.model} is not this server's re-ranker: a request "
+                                    "may re-rank with the folder of serve --rerank pairwise:model=DIR only"
+                                    + (f" ({mine})" if mine else " (none)"))
+        rerank = rerank.first
     candidates = getattr(rerank, "candidates", None)
     if candidates is not None and candidates > MAX_K:
         raise RerankOptionError(f"--rerank {rerank.name}: candidates={candidates} over this server's limit of {MAX_K}")
+
+
+def check_pairs(options: dict[str, Any], images: int) -> None:
+    """A 413 :class:`BadRequest` when a request's pairwise re-ranking would score more than ``MAX_PAIRWISE_PAIRS``
+    (query, candidate) pairs (``top_n`` per image), before the model runs."""
+    from lightning_dml.index.pairwise import PairwiseRerank
+
+    rerank = parse_rerank(options.get("rerank"))
+    if isinstance(rerank, PairwiseRerank) and images * rerank.top_n > MAX_PAIRWISE_PAIRS:
+        raise BadRequest(413, f"{images} image(s) x top_n={rerank.top_n} = {images * rerank.top_n} pairs to re-rank, "
+                              f"over this server's limit of {MAX_PAIRWISE_PAIRS} per request")
 
 
 class SearchRequestMiddleware:
@@ -367,6 +399,7 @@ class SearchRequestMiddleware:
             images = [base64.b64encode(data).decode("ascii")]
         else:
             images = await self._batch_images(data)
+        check_pairs(options, len(images))
         return {"images": images, "single": single, **options}
 
     async def _decode(self, fn: Any, *args: Any) -> Any:
@@ -623,7 +656,7 @@ class SearchAPI(_LitAPI):  # type: ignore[misc, valid-type]
                         for s in range(0, len(pixels), step)
                     ])
                 found = search_embeddings(self.index, queries, k, rerank, SearchCut(threshold, adaptive),
-                                          matches_only)
+                                          matches_only, query_inputs=torch.stack(pixels))
             except Exception as e:  # noqa: BLE001 - the requests of this group fail, not the others of the batch
                 for r in members:
                     out[r] = {"error": _failure("search", e), "status": 500}
@@ -782,7 +815,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cut = SearchCut.parse(args.threshold, args.adaptive)
     rerank = parse_rerank(args.rerank)
     if rerank is not None:
-        check_served_rerank(rerank)
+        check_served_rerank(rerank, rerank)
     check_store(args)
     index = open_index(args.index, args.store, args.uri)  # a missing or broken index: reported before any worker
     metric = index.metric
@@ -799,6 +832,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     del index
     server = build_server(
         args.index, k=args.k, rerank=None if rerank is None else rerank.spec(), threshold=cut.threshold,
+        if hasattr(rerank, "check_index"):  # pairwise: its folder, base checkpoint and inputs, before serving
+            rerank.check_index(index)
         adaptive=cut.adaptive, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout,
         limits=limits, accelerator=args.accelerator,
         workers_per_device=args.workers_per_device, timeout=args.timeout, metric=metric,
