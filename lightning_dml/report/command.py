@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     page.add_argument("--confused", type=int, default=20, help="most confused class pairs shown (default 20)")
     page.add_argument("--bins", type=int, default=50, help="bins of the pair-score histograms (0: none; default 50)")
     page.add_argument("--metric", choices=("cosine", "euclidean"), default="cosine", help="similarity (default cosine)")
+    page.add_argument("--fmr", default=None, help="mark the operating point at this false match rate (0 < F < 1) on "
+                      "the pair-score histograms and the DET curve: its exact threshold over these pairs "
+                      "(lightning_dml.index.calibrate)")
     page.add_argument("--thumb_size", type=int, default=96, help="thumbnails' longer side in pixels (default 96)")
     page.add_argument("--thumb_format", choices=tuple(FORMATS), default="webp", help="thumbnail format (default webp)")
     page.add_argument("--title", default=None, help="the page's title")
@@ -181,6 +184,19 @@ def _load_results(path: Path) -> RetrievalResults:
         ) from None
 
 
+def _operating_point(data: dict[str, Any], fmr: str, metric: str) -> dict[str, Any]:
+    """The threshold at the false match rate ``fmr`` over the pairs the histograms count (the same queries, gallery
+    and sequences), with the FMR and FNMR it gives: :func:`lightning_dml.index.calibrate.pair_threshold`."""
+    from lightning_dml.index.calibrate import pair_threshold, parse_rate
+
+    rate = parse_rate(fmr)
+    found = pair_threshold(data["embeddings"], data["labels"], rate, metric, indices=data["indices"],
+                           query_mask=data.get("query_mask"), gallery_mask=data.get("gallery_mask"),
+                           sequence=data.get("sequence"))
+    return {"target": rate, "threshold": found["threshold"], "fmr": found["fmr"], "fnmr": found["fnmr"],
+            "positives": found["positives"], "negatives": found["negatives"]}
+
+
 def main(argv: Sequence[str]) -> Report | None:
     """``lightning-dml report ...``; returns what was written (None in the other processes of a DDP predict)."""
     parser = build_parser()
@@ -214,10 +230,17 @@ def main(argv: Sequence[str]) -> Report | None:
     out = options.out
     if out.exists() and not out.is_dir():
         raise ReportError(f"--out {out} is a file, not a folder")
+    if options.fmr is not None:
+        from lightning_dml.index.calibrate import parse_rate
+
+        parse_rate(options.fmr)  # a bad rate is reported before any work
+        if options.results is not None:
+            raise ReportError("--fmr needs the embeddings: give --predictions or --ckpt_path (a results.npz keeps the "
+                              "operating point it was written with)")
     check_report_folder(out, options.overwrite)  # before any work: a foreign folder is refused, untouched
 
     start = time.perf_counter()
-    images = class_names = embeddings = indices = evaluated = None
+    images = class_names = embeddings = indices = evaluated = operating_point = None
     source: dict[str, Any] = {}
     if options.results is not None:
         results = _load_results(options.results)
@@ -253,6 +276,8 @@ def main(argv: Sequence[str]) -> Report | None:
         settings = evaluation_settings(model, options.recall_at) if model is not None else {
             "recall_at": tuple(options.recall_at), "clustering": False, "metrics": ()}
         evaluated = evaluate_predictions(data, metric=options.metric, **settings)
+        if options.fmr is not None:
+            operating_point = _operating_point(data, options.fmr, options.metric)
     if class_names and results.class_names is None:
         results.class_names = [str(c) for c in class_names]
     if options.config:
@@ -262,7 +287,7 @@ def main(argv: Sequence[str]) -> Report | None:
         recall_at=options.recall_at, confused=options.confused, embeddings=embeddings, embedding_indices=indices,
         thumb_size=options.thumb_size, thumb_format=options.thumb_format,
         title=options.title or report_title(source, results, out), source=source, overwrite=options.overwrite,
-        metrics=evaluated,
+        metrics=evaluated, operating_point=operating_point,
     )
     seconds = time.perf_counter() - start
     metrics = format_metrics_line(report.metrics)

@@ -4,7 +4,8 @@
 Layout of the folder (``docs/report.md``)::
 
     index.html, report.css, report.js   the page (no CDN, no server: opens from disk in any browser)
-    data/summary.js                     metrics, Recall@K curve, per-class table, confused pairs, histograms
+    data/summary.js                     metrics, Recall@K curve, per-class table, confused pairs, histograms,
+                                        DET curve and operating point
     data/queries-00000.js, ...          the query rows, one file per page, loaded when the page is shown
     thumbs/<2 hex>/<hash>.webp          thumbnails (content-addressed: a rerun reuses them)
     results.npz                         the RetrievalResults (``lightning-dml report --results`` rebuilds from it)
@@ -42,7 +43,8 @@ from lightning_dml.report.folder import LOCK, check_report_folder, claim_report_
 from lightning_dml.report.thumbnails import ImageSource, ThumbnailWriter
 from lightning_dml.retrieval import RetrievalResults
 
-__all__ = ["Report", "ignored_neighbors", "label_text", "page_metrics", "report_data", "report_metrics", "write_report"]
+__all__ = ["Report", "det_curve", "ignored_neighbors", "label_text", "page_metrics", "report_data", "report_metrics",
+           "write_report"]
 
 ASSETS = Path(__file__).parent / "assets"
 #: flags of a shown neighbour (``data-flag`` on the page): irrelevant, relevant, ignored (e.g. same sequence)
@@ -71,6 +73,23 @@ def _js(call: str, *args: Any) -> str:
     """``call(args...);`` with the arguments as JSON (NaN/inf as null; ``</`` escaped for inline use)."""
     text = ", ".join(json.dumps(a, allow_nan=False, separators=(",", ":")) for a in args)
     return f"{call}({text.replace('</', '<' + chr(92) + '/')});\n"
+
+
+def det_curve(histogram: dict[str, list] | None) -> list[list[float]]:
+    """The DET curve (Martin et al., *The DET Curve in Assessment of Detection Task Performance*, Eurospeech 1997:
+    false non-match rate against false match rate) at the edges of the exact pair-score histograms: at edge ``i``
+    the pairs in bins ``i`` and above are accepted, ``[FMR, FNMR] = [negatives in bins >= i / negatives, positives
+    in bins < i / positives]``, from accepting every pair (``[1, 0]``) to none (``[0, 1]``). Its resolution is the
+    histograms' bins (``--bins``); ``[]`` without histograms or without positive and negative pairs."""
+    if not histogram:
+        return []
+    pos, neg = np.asarray(histogram["positive"], dtype=np.int64), np.asarray(histogram["negative"], dtype=np.int64)
+    n_pos, n_neg = int(pos.sum()), int(neg.sum())
+    if n_pos == 0 or n_neg == 0:
+        return []
+    below = np.concatenate([[0], np.cumsum(pos)])  # positives in bins < i
+    at_or_above = n_neg - np.concatenate([[0], np.cumsum(neg)])  # negatives in bins >= i
+    return [[float(a) / n_neg, float(b) / n_pos] for a, b in zip(at_or_above.tolist(), below.tolist())]
 
 
 def recall_curve_ks(results: RetrievalResults) -> list[int]:
@@ -185,10 +204,13 @@ def report_data(
     title: str = "Retrieval report",
     source: dict[str, Any] | None = None,
     metrics: dict[str, float] | None = None,
+    operating_point: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]], set[int]]:
     """``(summary, pages, items)``: the page's data without thumbnails (``items``: every item index the page
     shows). ``queries``: the worst queries shown (None: every query), ordered by ``by``
-    (:meth:`RetrievalResults.worst`). ``metrics``: the model's evaluation metrics (:func:`page_metrics`)."""
+    (:meth:`RetrievalResults.worst`). ``metrics``: the model's evaluation metrics (:func:`page_metrics`).
+    ``operating_point``: ``{"target", "threshold", "fmr", "fnmr"}`` marked on the histograms and the DET curve
+    (default: the one ``results.extra`` keeps, if any)."""
     if per_page < 1:
         raise ValueError(f"per_page must be >= 1, got {per_page}")
     n_queries = results.query.size
@@ -248,6 +270,8 @@ def report_data(
         "per_class": per_class,
         "confused": pairs,
         "histogram": results.pair_histogram,
+        "det": det_curve(results.pair_histogram),
+        "operating_point": operating_point if operating_point is not None else results.extra.get("operating_point"),
     }
     return summary, pages, items
 
@@ -271,6 +295,7 @@ def write_report(
     save_results: bool = True,
     overwrite: bool = False,
     metrics: dict[str, float] | None = None,
+    operating_point: dict[str, Any] | None = None,
 ) -> Report:
     """Write the report of ``results`` into the folder ``out`` (created; the page and data files are replaced,
     the thumbnails kept and reused). ``out`` must be new, empty or an earlier report unless ``overwrite``
@@ -298,14 +323,21 @@ def write_report(
             (:func:`~lightning_dml.report.evaluation.evaluate_predictions`; with ``category/<name>/<metric>`` keys):
             shown with those of :func:`report_metrics`, and kept in ``results.npz`` (``results.extra["metrics"]``)
             for a rebuild from it. ``None``: those ``results`` keep, if any.
+        operating_point: a match threshold and its rates on these pairs, ``{"target", "threshold", "fmr",
+            "fnmr"}`` (``lightning-dml report --fmr``: :func:`lightning_dml.index.calibrate.pair_threshold`), marked
+            on the pair-score histograms and the DET curve, and kept in ``results.npz``
+            (``results.extra["operating_point"]``). ``None``: the one ``results`` keep, if any.
     """
     check_report_folder(out, overwrite, option="overwrite=True")
     summary, pages, items = report_data(
         results, queries=queries, by=by, per_page=per_page, recall_at=recall_at, confused=confused,
         embeddings=embeddings, embedding_indices=embedding_indices, title=title, source=source, metrics=metrics,
+        operating_point=operating_point,
     )
     if metrics is not None:
         results.extra["metrics"] = {k: float(v) for k, v in metrics.items()}
+    if operating_point is not None:
+        results.extra["operating_point"] = dict(operating_point)
     Path(out).mkdir(parents=True, exist_ok=True)
     with FileLock(str(Path(out) / LOCK)):  # two runs into one folder write one after the other
         folder = claim_report_folder(out, overwrite, option="overwrite=True")

@@ -143,10 +143,61 @@ var DMLReport = (function () {
     s.appendChild(svg("line", {x1: L, x2: L, y1: T, y2: H - B, "class": "axis"}));
     s.appendChild(svg("text", {x: 12, y: T + (H - T - B) / 2, transform: "rotate(-90 12 " + (T + (H - T - B) / 2) + ")",
                               "text-anchor": "middle"}, "share of pairs"));
+    var op = S.operating_point;
+    if (op) {  // the match threshold (a pair matches when its score > threshold), where the bins show it
+      var lo = h.edges[first], hi = h.edges[last + 1];
+      var xt = L + Math.min(Math.max((op.threshold - lo) / ((hi - lo) || 1), 0), 1) * (W - L - R);
+      var line = svg("line", {x1: xt, x2: xt, y1: T, y2: H - B, "class": "op"});
+      line.appendChild(svg("title", {}, opText(op)));
+      s.appendChild(line);
+      s.appendChild(svg("text", {x: Math.min(xt + 3, W - R - 40), y: T + 10, "class": "opl"}, "threshold " + score(op.threshold)));
+    }
     host.appendChild(s);
     host.appendChild(el("figcaption", {}, [
       el("span", {cls: "key rel"}), document.createTextNode(" " + sp + " positive "),
       el("span", {cls: "key irr"}), document.createTextNode(" " + sn + " negative pairs (each scaled to its total)")]));
+    if (op) host.appendChild(el("figcaption", {cls: "muted", text: opText(op)}));
+  }
+
+  function opText(op) {
+    return "operating point: threshold " + op.threshold + " (match: score > threshold) at target FMR " + op.target +
+      ": FMR " + pct(op.fmr, 4) + "%, FNMR " + pct(op.fnmr, 2) + "%";
+  }
+
+  function renderDET() {  // FNMR against FMR, both on log axes, at the histograms' bin edges
+    var host = document.getElementById("det");
+    var op = S.operating_point;
+    var pts = (S.det || []).filter(function (p) { return p[0] > 0 && p[1] > 0; });
+    if (op && op.fmr > 0 && op.fnmr > 0) pts = pts.concat([[op.fmr, op.fnmr]]);
+    if (!pts.length) { host.appendChild(el("p", {cls: "muted", text: "DET curve: not computed (no pair histogram, or no error at any bin edge)"})); return; }
+    var lo = Math.floor(Math.log10(Math.min.apply(null, pts.map(function (p) { return Math.min(p[0], p[1]); }))));
+    lo = Math.min(lo, -1);
+    var W = 300, H = 240, L = 44, R = 12, T = 12, B = 34;
+    var X = function (v) { return L + (Math.log10(v) - lo) / -lo * (W - L - R); };
+    var Y = function (v) { return T + (1 - (Math.log10(v) - lo) / -lo) * (H - T - B); };
+    var s = svg("svg", {width: W, height: H, viewBox: "0 0 " + W + " " + H, role: "img"});
+    s.appendChild(svg("title", {}, "DET curve"));
+    for (var e = lo; e <= 0; e++) {
+      var v = Math.pow(10, e), t = e === 0 ? "1" : "1e" + e;
+      s.appendChild(svg("line", {x1: X(v), x2: X(v), y1: T, y2: H - B, "class": "grid"}));
+      s.appendChild(svg("line", {x1: L, x2: W - R, y1: Y(v), y2: Y(v), "class": "grid"}));
+      s.appendChild(svg("text", {x: X(v), y: H - B + 14, "text-anchor": "middle"}, t));
+      s.appendChild(svg("text", {x: L - 4, y: Y(v) + 4, "text-anchor": "end"}, t));
+    }
+    var curve = (S.det || []).filter(function (p) { return p[0] > 0 && p[1] > 0; });
+    s.appendChild(svg("polyline", {"class": "curve", points: curve.map(function (p) { return X(p[0]) + "," + Y(p[1]); }).join(" ")}));
+    if (op && op.fmr > 0 && op.fnmr > 0) {
+      var dot = svg("circle", {"class": "opdot", cx: X(op.fmr), cy: Y(op.fnmr), r: 5});
+      dot.appendChild(svg("title", {}, opText(op)));
+      s.appendChild(dot);
+    }
+    s.appendChild(svg("text", {x: (L + W - R) / 2, y: H - 4, "text-anchor": "middle"}, "false match rate (log)"));
+    s.appendChild(svg("text", {x: 12, y: T + (H - T - B) / 2, transform: "rotate(-90 12 " + (T + (H - T - B) / 2) + ")",
+                              "text-anchor": "middle"}, "false non-match rate (log)"));
+    s.appendChild(svg("line", {x1: L, x2: W - R, y1: H - B, y2: H - B, "class": "axis"}));
+    s.appendChild(svg("line", {x1: L, x2: L, y1: T, y2: H - B, "class": "axis"}));
+    host.appendChild(s);
+    host.appendChild(el("figcaption", {cls: "muted", text: "DET: at each histogram bin edge" + (op ? "; dot: the operating point" : "")}));
   }
 
   function renderConfused() {
@@ -254,6 +305,7 @@ var DMLReport = (function () {
     renderHeader();
     renderMetrics();
     renderHistogram();
+    renderDET();
     renderConfused();
     var filter = document.getElementById("class-filter");
     filter.addEventListener("input", function () { classState.filter = filter.value.toLowerCase(); classState.page = 0; renderClasses(); });
