@@ -485,7 +485,7 @@ class EmbeddingIndex:
         x = np.ascontiguousarray(x.cpu().numpy())
         asked, rescore = k, V.rescore_count(self.manifest.options)
         if rescore is not None:  # candidates: the best max(N, k) by the codes' score (lightning_dml.index.vectors)
-            k = max(k, rescore)
+            k = max(k, min(rescore, len(self)))
         total = len(self)
         # one result more than asked: a row whose (k+1)-th score equals its k-th has a tie across the boundary,
         # and is searched again with twice as many until the tie ends, so that the k kept are the best k by
@@ -532,8 +532,10 @@ class EmbeddingIndex:
 
     @property
     def embeddings(self) -> Tensor:
-        """All stored vectors ``[N, D]`` in table order (as the index compares them)."""
-        return torch.from_numpy(np.asarray(self._vectors, dtype=np.float32))
+        """All stored vectors ``[N, D]`` in table order (as the index compares them; read into memory where they
+        are memory-mapped)."""
+        vectors = np.asarray(self._vectors, dtype=np.float32)
+        return torch.from_numpy(vectors if vectors.flags.writeable else np.array(vectors))
 
     def results(self, scores: Tensor, ids: Tensor) -> list[list[dict[str, Any]]]:
         """Result lists ``[{"id", "path", "label", "score"}, ...]`` per query (``-1`` padding left out)."""
