@@ -9,6 +9,7 @@ definitions over the searched lists."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import warnings
 from pathlib import Path
@@ -109,7 +110,8 @@ def test_search_equals_the_test_post_processing_and_index_evaluate(setup, capsys
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*LightningCLI's args parameter.*")
         cli = build_cli(["test", "--config", str(setup["config"]), "--ckpt_path", str(setup["ckpt"]),
-                         "--rerank", spec, "--trainer.enable_progress_bar=false"])
+                         "--rerank", spec, "--trainer.enable_progress_bar=false",
+                         f"--trainer.default_root_dir={setup['root'] / 'run'}"])
     printed = capsys.readouterr().out
     callback = next(cb for cb in cli.trainer.callbacks if isinstance(cb, PairwiseRerankTest))
     result = callback.result
@@ -145,13 +147,15 @@ def test_refusals_are_one_line(setup, tmp_path):
     line = _one_error(["index", "evaluate", "--index", str(setup["flat"]), "--rerank",
                        f"aqe:alpha=3,n=2+pairwise:model={setup['rr']},top_n=3"])
     assert "pairwise alone" in line
+    run = f"--trainer.default_root_dir={tmp_path}"  # nothing written into the working folder
     line = _one_error(["test", "--config", str(setup["config"]), "--ckpt_path", str(setup["ckpt"]), "--rerank",
-                       "aqe:alpha=3"])
+                       "aqe:alpha=3", run])
     assert "test re-ranks with pairwise" in line
     line = _one_error(["test", "--config", str(setup["config"]), "--ckpt_path", str(setup["ckpt"]), "--rerank",
-                       f"pairwise:model={setup['rr_other']},top_n=3"])
+                       f"pairwise:model={setup['rr_other']},top_n=3", run])
     assert "another base model" in line
-    line = _one_error(["validate", "--config", str(setup["config"]), "--rerank", f"pairwise:model={setup['rr']}"])
+    line = _one_error(["validate", "--config", str(setup["config"]), "--rerank", f"pairwise:model={setup['rr']}",
+                       run])
     assert "--rerank is an option of test" in line
 
 
@@ -241,3 +245,43 @@ def test_serve_bounds_the_pairwise_work_and_serves_its_own_folder_only(setup, tm
     with pytest.raises(S.BadRequest, match="pairs to re-rank") as error:
         S.check_pairs({"rerank": served.spec()}, S.MAX_PAIRWISE_PAIRS // 10 + 1)
     assert error.value.status == 413
+
+
+def test_serve_and_test_time_give_an_images_reranker_the_same_pixels(setup, monkeypatch):
+    """The served answer equals the search command's (the request's decoded pixels as query inputs), and the test
+    post-processing reads the dataset's items: its lists equal the exact lists with the top_n re-sorted by a loop."""
+    import base64
+
+    from lightning_dml.callbacks.pairwise_test import rerank_test_set
+    from lightning_dml.index import EmbeddingIndex
+    from lightning_dml.metrics import functional as MF
+
+    model = _PixelDistance(checkpoint_record(setup["ckpt"])["sha256"])
+    monkeypatch.setattr(P, "load_pairwise_model", lambda folder, device="cpu": model)
+    spec = f"pairwise:model={setup['rr']},top_n=6"
+    query = setup["root"] / "queries" / "class2" / "1.png"
+    if importlib.util.find_spec("litserve"):  # serve's model worker, without the HTTP server
+        from lightning_dml.index import server as S
+
+        api = S.SearchAPI(str(setup["flat"]))
+        api.setup("cpu")
+        payload = {"images": [base64.b64encode(query.read_bytes()).decode()], "single": True, "k": 8,
+                   "rerank": spec, "threshold": None, "adaptive": None}
+        served = api.predict([api.decode_request(payload)])[0]["results"]
+        assert [r["id"] for r in served] == [r["id"] for r in _search(setup, spec, k=8)[str(query)]]
+
+    index = EmbeddingIndex.load(setup["flat"])
+    images = P.candidate_images(index)
+    ids = torch.as_tensor(index.table.ids)
+    pixels = images(ids.unsqueeze(1)).squeeze(1)  # the gallery's model inputs, as a dataset gives them
+    labels = torch.tensor([int(v[-1]) for v in index.table.labels])
+    dataset = [(pixels[i], labels[i]) for i in range(len(ids))]
+    data = {"embeddings": index.embeddings, "labels": labels, "indices": None, "query_mask": None,
+            "gallery_mask": None, "sequence": None, "category": None}
+    out = rerank_test_set(parse_rerank(spec), data, "cosine", (1, 2), dataset)
+    _, exact = MF.knn(index.embeddings, None, k=out["ranked"].shape[1], metric="cosine")
+    for q in range(len(ids)):
+        top = exact[q, :6].tolist()
+        dist = [float(((pixels[q] - pixels[j]) ** 2).mean()) for j in top]
+        loop = [j for _, _, j in sorted(zip(dist, range(6), top))]
+        assert out["ranked"][q].tolist() == loop + exact[q, 6:].tolist()

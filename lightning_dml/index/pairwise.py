@@ -50,7 +50,7 @@ import torch
 from torch import Tensor
 
 from lightning_dml.errors import MissingFileError, UserInputError
-from lightning_dml.index.rerank import Reranker, RerankOptionError, SearchFn, VectorsFn, _check_metric, as_stored
+from lightning_dml.index.rerank import Reranker, RerankOptionError, SearchFn, VectorsFn, as_stored
 
 __all__ = [
     "MAX_TOP_N",
@@ -176,7 +176,7 @@ class PairwiseRerank(Reranker):
         return inner if self.first is None else self.first.candidates_for(inner)
 
     def check_metric(self, metric: str) -> None:
-        _check_metric(metric)
+        Reranker.check_metric(self, metric)
         if self.first is not None:
             self.first.check_metric(metric)
 

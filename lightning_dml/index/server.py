@@ -656,7 +656,7 @@ class SearchAPI(_LitAPI):  # type: ignore[misc, valid-type]
                         for s in range(0, len(pixels), step)
                     ])
                 found = search_embeddings(self.index, queries, k, rerank, SearchCut(threshold, adaptive),
-                                          matches_only, query_inputs=torch.stack(pixels))
+                                          matches_only, query_inputs=torch.stack(pixels) if rerank else None)
             except Exception as e:  # noqa: BLE001 - the requests of this group fail, not the others of the batch
                 for r in members:
                     out[r] = {"error": _failure("search", e), "status": 500}
