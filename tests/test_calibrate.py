@@ -86,6 +86,33 @@ def test_bad_rates_and_sets_are_one_line_errors():
         pair_threshold(x, torch.zeros(6, dtype=torch.long), "0.1")
 
 
+def test_match_flags_at_a_tied_threshold_follow_the_strict_rule():
+    """Results whose exact score equals the threshold are not matches (score > threshold, as fnmr@fmr), and
+    matches_only keeps exactly the others; integer vectors make many scores equal the threshold exactly."""
+    from lightning_dml.index import EmbeddingIndex
+    from lightning_dml.index.calibrate import CalibrationError, mark_results, pair_threshold
+
+    rng = np.random.default_rng(1)
+    x = torch.from_numpy(rng.integers(-2, 3, (30, 3)).astype(np.float32))
+    labels = torch.from_numpy(rng.integers(0, 3, 30))
+    index = EmbeddingIndex.build(x, metric="euclidean")
+    with pytest.raises(CalibrationError, match="no calibrated threshold"):
+        mark_results(index, x, *index.search(x, 2)[:2], matches_only=True)
+    found = pair_threshold(x, labels, "0.2", "euclidean")
+    index.manifest.calibration = {"threshold": found["threshold"], "checkpoint_sha256": None, "metric": "euclidean"}
+    scores, ids = index.search(x, 30)
+    rows = mark_results(index, x, scores, ids)
+    exact = -((x[:, None, :].double() - x[None, :, :].double()) ** 2).sum(-1)  # brute force, by table row = id
+    tied = 0
+    for q, found_rows in enumerate(rows):
+        for row in found_rows:
+            assert row["match"] == bool(exact[q, row["id"]] > found["threshold"])
+            tied += bool(exact[q, row["id"]] == found["threshold"])
+    assert tied > 0
+    only = mark_results(index, x, scores, ids, matches_only=True)
+    assert [[r["id"] for r in o] for o in only] == [[r["id"] for r in f if r["match"]] for f in rows]
+
+
 # --------------------------------------------------------------------------------------------- the index
 @pytest.fixture(scope="module")
 def calibrated(index_dir):  # noqa: F811
