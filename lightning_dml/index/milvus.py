@@ -103,8 +103,9 @@ def _check_name(name: str) -> str:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """pymilvus and Milvus Lite log every failed call with a traceback; the errors are raised here as one line."""
-    loggers = [logging.getLogger(n) for n in ("pymilvus", "milvus_lite")]
+    """pymilvus, Milvus Lite and its gRPC server (a calls pymilvus makes that Milvus Lite does not implement) log
+    failures with a traceback; the errors that matter are raised here as one line."""
+    loggers = [logging.getLogger(n) for n in ("pymilvus", "milvus_lite", "grpc._server")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.CRITICAL + 1)
@@ -353,6 +354,11 @@ class MilvusIndex:
     @property
     def options(self) -> dict[str, Any]:
         return {}
+
+    def stored_bytes(self) -> int:
+        """Bytes of the vectors the FLAT collection searches (``index evaluate``'s bytes per vector): a float32
+        vector and an int64 id per item; the path, label and file fields and Milvus's own overhead are not counted."""
+        return len(self) * (4 * self.dim + 8)
 
     def __len__(self) -> int:
         found = _call(f"counting {self.folder}", self.client.query, self.collection, filter="",
