@@ -16,27 +16,14 @@ from torch import Tensor, nn
 from lightning_dml.input_checks import check_embeddings
 from lightning_dml.losses.base import PairLoss
 from lightning_dml.losses.registry import build_loss, register_loss
+from lightning_dml.widths import check_width_fits, check_widths
 
-__all__ = ["MatryoshkaLoss", "check_widths", "default_widths"]
+__all__ = ["MatryoshkaLoss", "default_widths"]
 
 
 def default_widths(dim: int) -> list[int]:
     """The widths used when none are given: ``D/8, D/4, D/2, D`` (integer halvings of ``D``, those ``>= 1``)."""
     return sorted({dim >> s for s in (3, 2, 1, 0) if dim >> s >= 1})
-
-
-def check_widths(widths: object, where: str) -> list[int]:
-    """``widths`` as a list of strictly increasing integers ``>= 1``; ``ValueError`` naming what is wrong."""
-    if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence) or len(widths) == 0:
-        raise ValueError(f"{where}: widths must be a non-empty list of integers, got {widths!r}")
-    out = []
-    for w in widths:
-        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
-            raise ValueError(f"{where}: every width must be an integer >= 1, got {w!r} in {list(widths)}")
-        out.append(int(w))
-    if any(b <= a for a, b in zip(out, out[1:])):
-        raise ValueError(f"{where}: widths must be strictly increasing (d1 < d2 < ...), got {out}")
-    return out
 
 
 @register_loss("matryoshka")
@@ -131,11 +118,7 @@ class MatryoshkaLoss(nn.Module):
     def widths_for(self, dim: int) -> list[int]:
         """The widths used for embeddings of width ``dim``; ``ValueError`` when one exceeds it."""
         widths = default_widths(dim) if self.widths is None else self.widths
-        if widths[-1] > dim:
-            raise ValueError(
-                f"MatryoshkaLoss: width {widths[-1]} exceeds the embedding width D = {dim} (widths {widths}); "
-                "give widths <= D"
-            )
+        check_width_fits(widths[-1], dim, "MatryoshkaLoss")
         return widths
 
     def forward(

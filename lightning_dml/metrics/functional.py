@@ -76,6 +76,7 @@ from lightning_dml.metrics._statistics import (
 from lightning_dml.metrics._task import RetrievalTask
 from lightning_dml.metrics.clustering import clustering_metrics, contingency, f1_score, nmi
 from lightning_dml.metrics.kmeans import kmeans
+from lightning_dml.widths import check_width_fits, check_widths, width_key
 
 __all__ = [
     "MetricName",
@@ -427,6 +428,7 @@ def retrieval_metrics(
     category: Tensor | None = None,
     category_names: Sequence[str] | dict[int, str] | None = None,
     metric: str = "cosine",
+    widths: Sequence[int] = (),
     **options: Any,
 ) -> dict[str, float]:
     """Recall@K, Precision@1, (optionally) R-Precision and MAP@R, and the opt-in ``metrics``, exactly.
@@ -437,9 +439,27 @@ def retrieval_metrics(
     ``fnmr@fmr`` also per category as ``category/<name>/<metric>`` (``<name>``: ``category_names[id]`` or the id).
     ``options`` are those of :func:`retrieval_stats`: ``precision``, ``device``, ``query_block``,
     ``gallery_chunk``, ``tile_memory``, ``distributed``, ``process_group``, ``validate``.
+
+    ``widths`` (nested widths ``d_1 < d_2 < ...``, Matryoshka embeddings): every metric again on the leading ``d``
+    dimensions of the embeddings (re-normalised for the cosine metric), keyed ``w<d>/<metric>``
+    (:func:`lightning_dml.widths.width_key`); each width is its own exact search over the same set (per-category
+    figures at the full width only). A width beyond the embedding's is a :class:`~lightning_dml.widths.WidthError`.
     """
     if metric not in ("cosine", "euclidean"):
         raise ValueError(f"metric must be 'cosine' or 'euclidean', got {metric!r}")
+    if len(widths):
+        widths = check_widths(list(widths), "retrieval_metrics")
+        check_width_fits(widths[-1], embeddings.shape[1], "retrieval_metrics")
+        task = {"recall_at": recall_at, "map_at_r": map_at_r, "metrics": metrics, "indices": indices,
+                "query_mask": query_mask, "gallery_mask": gallery_mask, "sequence": sequence, "metric": metric}
+        out = retrieval_metrics(embeddings, labels, category=category, category_names=category_names, **task, **options)
+        full = dict(out)
+        for width in widths:
+            cut = full if width == embeddings.shape[1] else retrieval_metrics(
+                embeddings[:, :width], labels, **task, **options
+            )
+            out.update({width_key(width, key): value for key, value in cut.items() if not key.startswith("category/")})
+        return out
     names = metric_names(recall_at, map_at_r, metrics)
     rank_ks = sorted({m.k for m in names if m.kind == "recall"} | {1})
     stats = retrieval_stats(

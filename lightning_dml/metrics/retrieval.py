@@ -24,6 +24,7 @@ from torchmetrics.utilities.data import dim_zero_cat
 from lightning_dml.metrics import functional as F
 from lightning_dml.metrics._device import PRECISIONS
 from lightning_dml.metrics._progress import progress_bars
+from lightning_dml.widths import check_width_fits, check_widths, cut, width_key
 
 __all__ = ["RetrievalMetrics", "eval_batch_targets"]
 
@@ -115,6 +116,10 @@ class RetrievalMetrics(Metric):
             figure is the same whether asked for alone or with others.
         category_names: names of the category ids for the per-category keys (``category/<name>/recall@1``): a
             sequence indexed by id or a dict; default the ids.
+        widths: nested widths ``d_1 < d_2 < ... <= D`` (Matryoshka embeddings, :class:`~lightning_dml.losses.
+            MatryoshkaLoss`): every metric (clustering included, per-category figures excepted) again on the leading
+            ``d`` dimensions of the stored embeddings, keyed ``w<d>/<metric>`` (``w64/recall@1``, ``w64/nmi``), from
+            the same update pass; each width is its own exact search, equal to evaluating the cut embeddings alone.
 
     ``update(embeddings, labels, indices=None, query_mask=None, gallery_mask=None, sequence=None, category=None)``:
     ``labels`` are ``[B]`` class ids or ``[B, L]`` label sets padded with -1 (relevant: the sets intersect; the
@@ -149,9 +154,11 @@ class RetrievalMetrics(Metric):
         progress: bool = False,
         metrics: Sequence[str] = (),
         category_names: Sequence[str] | dict[int, str] | None = None,
+        widths: Sequence[int] = (),
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
+        self.widths = check_widths(list(widths), "RetrievalMetrics") if len(widths) else []
         recall_at = tuple(int(k) for k in recall_at)
         self.names = F.metric_names(recall_at, map_at_r, metrics)  # checks every name and K
         if metric not in ("cosine", "euclidean"):
@@ -196,6 +203,8 @@ class RetrievalMetrics(Metric):
         indices, masks, sequence and category ids)."""
         where = "RetrievalMetrics.update"
         F.check_inputs(embeddings, labels, indices, query_mask, gallery_mask, sequence, category, where=where)
+        if self.widths:
+            check_width_fits(self.widths[-1], embeddings.shape[1], "RetrievalMetrics(widths)")
         if len(self.embeddings) and self.embeddings[0].shape[1] != embeddings.shape[1]:
             raise ValueError(
                 f"{where}: embedding dimension changed from {self.embeddings[0].shape[1]} to {embeddings.shape[1]}"
@@ -258,7 +267,7 @@ class RetrievalMetrics(Metric):
             out = F.retrieval_metrics(
                 **data, recall_at=self.recall_at, map_at_r=self.map_at_r, metrics=self.metrics,
                 category_names=self.category_names, precision=self.precision, query_block=self.query_block,
-                gallery_chunk=self.gallery_chunk, tile_memory=self.tile_memory, **common,
+                gallery_chunk=self.gallery_chunk, tile_memory=self.tile_memory, widths=self.widths, **common,
             )
             if self.clustering and data["labels"].ndim == 2:
                 if not self._warned_label_sets:
@@ -271,9 +280,14 @@ class RetrievalMetrics(Metric):
                 if data["indices"] is not None:
                     order = torch.argsort(data["indices"])
                     x, y = x[order], y[order]
-                out.update(F.clustering_metrics(
-                    x, y, seeds=self.kmeans_seeds, iters=self.kmeans_iters, backend=self.kmeans_backend, **common,
-                ))
+                full: dict[str, float] = {}
+                for width in [None, *self.widths]:
+                    values = dict(full) if width == x.shape[1] else F.clustering_metrics(
+                        cut(x, width, "RetrievalMetrics"), y, seeds=self.kmeans_seeds, iters=self.kmeans_iters,
+                        backend=self.kmeans_backend, **common,
+                    )
+                    full = full or values
+                    out.update(values if width is None else {width_key(width, k): v for k, v in values.items()})
         return out
 
 

@@ -71,7 +71,8 @@ def metrics_objects() -> tuple[RetrievalMetrics, RetrievalMetrics]:
     """The all-vs-all and the query/gallery metric of this MODE."""
     opts = {"metrics": EXTRA, "category_names": ["a", "b", "c", "d"]} if MODE.startswith("tasks") else {}
     shop_kw = {k: v for k, v in KW.items() if k != "kmeans_seeds"}
-    return RetrievalMetrics(**KW, **opts), RetrievalMetrics(clustering=False, **shop_kw, **opts)
+    # the all-vs-all metric also at a nested width (issue 31): retrieval and k-means of the cut, == one process
+    return RetrievalMetrics(**KW, **opts, widths=[16]), RetrievalMetrics(clustering=False, **shop_kw, **opts)
 
 
 def feed(m: RetrievalMetrics, shop: RetrievalMetrics, b: torch.Tensor | None, indices: bool) -> None:
