@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="replace an existing index folder (as a whole, once the new one is complete)")
     build.add_argument("--lock_timeout", type=float, default=DEFAULT_LOCK_TIMEOUT, help="seconds to wait while "
                        f"another command writes the folder (default {DEFAULT_LOCK_TIMEOUT:g})")
+    build.add_argument("--runtime", choices=("torch", "onnx"), default="torch",
+                       help="torch (default: Lightning's predict loop) or onnx: the model exported to ONNX, verified, "
+                       "stored in the folder and run by ONNX Runtime on the gallery (--accelerator: cpu, cuda, auto)")
     add_store_arguments(build, build=True)
 
     add = sub.add_parser("add", help="add a gallery's new or changed images to an index")
@@ -160,6 +163,8 @@ def _build(args: argparse.Namespace) -> None:
     if args.batch_size < 1 or args.num_workers < 0 or args.shards < 1:
         raise IndexCommandError("--batch_size and --shards must be >= 1, --num_workers >= 0")
     _check_lock_timeout(args)
+    if args.runtime == "onnx":  # ONNX Runtime embeds the gallery (lightning_dml.onnx.build)
+        return _build_onnx(args, out)
     index = build_index(
         args.config, args.ckpt_path, args.gallery, args.kind, out, split=args.split, shards=args.shards,
         accelerator=args.accelerator, devices=args.devices, strategy=args.strategy, num_workers=args.num_workers,
@@ -169,6 +174,25 @@ def _build(args: argparse.Namespace) -> None:
     if index is not None:
         print(f"lightning-dml index: {len(index)} items indexed ({index.kind}, {index.metric}, size {index.dim}) "
               f"in {out}")
+
+
+def _build_onnx(args: argparse.Namespace, out: Path) -> None:
+    from lightning_dml.onnx.build import build_index_onnx
+
+    given = (("--devices", args.devices != 1), ("--strategy", args.strategy != "auto"),
+             ("--num_workers", args.num_workers != 0), ("--width", getattr(args, "width", None) is not None),
+             ("--vectors", getattr(args, "vectors", None) not in (None, "float32")),
+             ("--rescore", getattr(args, "rescore", None) is not None))
+    torch_only = [option for option, set_ in given if set_]
+    if torch_only:
+        raise IndexCommandError(f"{torch_only[0]} is an option of the torch runtime (Lightning's predict loop or the "
+                                "torch index): leave it out with --runtime onnx")
+    device = {"gpu": "cuda"}.get(args.accelerator, args.accelerator)
+    index = build_index_onnx(args.config, args.ckpt_path, args.gallery, args.kind, out, split=args.split,
+                             shards=args.shards, device=device, batch_size=args.batch_size, overwrite=args.overwrite,
+                             lock_timeout=args.lock_timeout, **_kind_options(args))
+    print(f"lightning-dml index: {len(index)} items indexed ({index.kind}, {index.metric}, size {index.dim}, "
+          f"embedded by ONNX Runtime) in {out}")
 
 
 def _add(args: argparse.Namespace) -> None:

@@ -33,8 +33,6 @@ import json
 import sys
 from collections.abc import Sequence
 
-import torch
-
 from lightning_dml.cli_parsing import CommandParser
 from lightning_dml.errors import UserInputError
 from lightning_dml.index.stores import add_store_arguments, check_store, open_index
@@ -63,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "alone or after one of them joined by + (docs/reranking.md)")
     p.add_argument("--batch_size", type=int, default=64, help="query images embedded together (default 64)")
     p.add_argument("--device", default="cpu", help="cpu, cuda or auto (default cpu)")
+    p.add_argument("--runtime", choices=("torch", "onnx"), default="torch",
+                   help="torch (default) or onnx: the index's embedding_model.onnx on ONNX Runtime, without "
+                   "PyTorch (index build --runtime onnx writes it; docs/serving.md)")
     p.add_argument("--split", default=None, help="a query table's rows of this split only")
     p.add_argument("--matches_only", action="store_true",
                    help="only the results that match under the index's calibrated threshold (index calibrate)")
@@ -76,6 +77,8 @@ def search_images(index, images: Sequence, k: int, rerank: str | None = None, cu
     """Result lists of images (paths or PIL images): embedded in batches of ``batch_size``, searched, re-ranked
     (``rerank``: a ``--rerank`` text), cut (``cut``: a :class:`~lightning_dml.index.cut.SearchCut`); one list of
     ``{"id", "path", "label", "score"}`` per image, best first. ``lightning-dml serve`` answers with it too."""
+    import torch  # here, not at the top: the --runtime onnx path of main imports no torch
+
     out: list[list[dict]] = []
     for start in range(0, len(images), batch_size):
         with torch.no_grad():
@@ -112,11 +115,15 @@ def search_embeddings(index, queries: torch.Tensor, k: int, rerank: str | None =
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``lightning-dml search ...`` (module docstring)."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.runtime == "onnx":  # ONNX Runtime, no torch imported (lightning_dml.onnx.search)
+        from lightning_dml.onnx.search import search_command
+
+        return search_command(args, MAX_K)
     from lightning_dml.index.cut import SearchCut
     from lightning_dml.index.gallery import read_sources
     from lightning_dml.index.rerank import parse_rerank
 
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
     if not 1 <= args.k <= MAX_K:
         raise SearchOptionError(f"--k {args.k} outside 1..{MAX_K}")
     if args.batch_size < 1:

@@ -601,9 +601,11 @@ class SearchAPI(_LitAPI):  # type: ignore[misc, valid-type]
     at a time (a group that fails answers its own requests with a 500 JSON error, not the others)."""
 
     def __init__(self, index_dir: str, *, max_batch_size: int = 8, batch_timeout: float = 0.01,
-                 limits: RequestLimits | None = None, store: str = "faiss", uri: str | None = None) -> None:
+                 limits: RequestLimits | None = None, store: str = "faiss", uri: str | None = None,
+                 runtime: str = "torch") -> None:
         super().__init__(max_batch_size=max_batch_size, batch_timeout=batch_timeout, api_path=SEARCH_PATH)
         self.index_dir = str(index_dir)
+        self.runtime = runtime  # torch, or onnx: the folder's ONNX model on ONNX Runtime (lightning_dml.onnx.serve)
         self.store, self.uri = store, uri  # where the gallery is (lightning_dml.index.stores)
         self.limits = RequestLimits() if limits is None else limits
         self.index: Any = None
@@ -612,7 +614,12 @@ class SearchAPI(_LitAPI):  # type: ignore[misc, valid-type]
     def setup(self, device: str) -> None:
         # LitServe's device: "cpu" or "cuda:<i>"; the index puts its model on the first GPU torch sees
         self.index = open_index(self.index_dir, self.store, self.uri, device="cpu" if str(device) == "cpu" else "cuda")
-        self.embedder = self.index.embedder  # the model, loaded now: a broken one fails here, not in a search
+        if self.runtime == "onnx":
+            from lightning_dml.onnx.serve import ServedOnnxModel
+
+            self.embedder = ServedOnnxModel(self.index, device)
+        else:
+            self.embedder = self.index.embedder  # the model, loaded now: a broken one fails here, not in a search
 
     def decode_request(self, request: dict) -> dict:
         # the middleware checked every image; each is decoded again (the limits again) and at once turned into
@@ -701,6 +708,7 @@ def build_server(
     metric: str = "cosine",
     matches_only: bool = False,
     calibrated: bool | None = None,
+    runtime: str = "torch",
 ) -> Any:
     """The ``LitServer`` of an index folder (``server.run(host=..., port=...)`` starts it); ``metric``: the index's
     (a request's re-ranking is checked against it before it reaches the model); ``limits``: what a request may
@@ -712,7 +720,7 @@ def build_server(
     defaults = {"k": int(k), "rerank": rerank, "threshold": threshold, "adaptive": adaptive,
                 "matches_only": bool(matches_only)}
     api = SearchAPI(index_dir, max_batch_size=max_batch_size, batch_timeout=batch_timeout, limits=limits,
-                    store=store, uri=uri)
+                    store=store, uri=uri, runtime=runtime)
     return ls.LitServer(
         api,
         accelerator=accelerator,
@@ -766,6 +774,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers_per_device", type=int, default=1, help="model worker processes per device")
     p.add_argument("--timeout", type=float, default=30.0, help="seconds a request may wait (default 30)")
     p.add_argument("--log_level", default="warning", help="uvicorn log level (default warning)")
+    p.add_argument("--runtime", choices=("torch", "onnx"), default="torch",
+                   help="torch (default) or onnx: the index's embedding_model.onnx on ONNX Runtime (index build "
+                   "--runtime onnx writes it), searched as with torch")
     return p
 
 
@@ -828,6 +839,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise CalibrationError(f"--matches_only: the index {args.index} has no calibrated threshold (lightning-dml "
                                "index calibrate)")
     check_model(index, args.index)
+    if args.runtime == "onnx":  # its ONNX model loads, or serve stops here in one line
+        from lightning_dml.onnx.serve import ServedOnnxModel
+
+        ServedOnnxModel(index, "cpu")
     close_index(index)  # Milvus Lite: the model worker opens the database next
     del index
     server = build_server(
@@ -837,7 +852,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         adaptive=cut.adaptive, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout,
         limits=limits, accelerator=args.accelerator,
         workers_per_device=args.workers_per_device, timeout=args.timeout, metric=metric,
-        matches_only=args.matches_only, calibrated=calibrated,
+        matches_only=args.matches_only, calibrated=calibrated, runtime=args.runtime,
         store=args.store, uri=args.uri,
     )
     print(f"lightning-dml serve: {args.index} on http://{args.host}:{args.port} (POST /search, GET /health)",

@@ -1,0 +1,165 @@
+"""ONNX export and ONNX Runtime (issue 31 s.1 and its acceptance): the export verified against PyTorch (and failing
+with the difference), ``search --runtime onnx`` giving the torch runtime's ids on the index tests' Glyphs-config
+gallery, its import graph free of torch, the int8 model's error recorded, the pixels equal to the torch runtime's,
+and the options the ONNX path does not serve refused in one line."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+
+pytest.importorskip("onnxruntime", reason="the onnx extra (pip install 'lightning-dml[onnx]') is not installed")
+pytest.importorskip("onnx", reason="the onnx extra (pip install 'lightning-dml[onnx]') is not installed")
+pytest.importorskip("faiss")
+
+from lightning_dml.cli import main  # noqa: E402
+from lightning_dml.export import EmbeddingModel, export_embedding_model  # noqa: E402
+from lightning_dml.models import LinearEmbedding, SmallConvNet  # noqa: E402
+from lightning_dml.onnx import export as onnx_export  # noqa: E402
+from lightning_dml.onnx.export import TOLERANCE, OnnxExportError, embedding_error  # noqa: E402
+from lightning_dml.onnx.runtime import PixelTransform  # noqa: E402
+from tests.test_index_cli import QUIET, _checkpoint, _main_capture, _one_error, _write_gallery  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _model(seed: int = 0) -> EmbeddingModel:
+    torch.manual_seed(seed)
+    backbone = SmallConvNet(in_channels=1, width=8)
+    return EmbeddingModel(backbone, LinearEmbedding(backbone.out_features, 16)).eval()
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> dict[str, Path]:
+    """The index tests' fixture (the Glyphs config, SmallConvNet width 8, 16-d, a random-init checkpoint, 4 class
+    folders x 4 grey PNGs) indexed twice: by the torch runtime (Lightning's predict loop) and by ``--runtime
+    onnx``."""
+    root = tmp_path_factory.mktemp("onnx")
+    cfg = yaml.safe_load((ROOT / "configs" / "glyphs.yaml").read_text())
+    cfg["trainer"] = {"logger": False, "enable_checkpointing": False, "accelerator": "cpu", "devices": 1}
+    cfg["model"]["backbone"]["init_args"]["width"] = 8
+    cfg["model"]["embedding_dim"] = 16
+    cfg["model"]["clustering"] = False
+    config = root / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    _write_gallery(root / "gallery", range(4), per_class=4)
+    ckpt = _checkpoint(config, root / "model.ckpt", 0)
+    common = ["--config", str(config), "--ckpt_path", str(ckpt), "--gallery", str(root / "gallery"), *QUIET]
+    for name, extra in (("torch_index", []), ("onnx_index", ["--runtime", "onnx", "--accelerator", "cpu"])):
+        code, _, err = _main_capture(["index", "build", *common, "--out", str(root / name), *extra])
+        assert code == 0, err[-3000:]
+    return {"root": root, "gallery": root / "gallery", "torch": root / "torch_index", "onnx": root / "onnx_index"}
+
+
+def _search(args: list[str]) -> list[dict]:
+    code, out, err = _main_capture(["search", *args])
+    assert code == 0, err[-3000:]
+    return [json.loads(line) for line in out.splitlines()]
+
+
+def test_search_runtime_onnx_gives_the_torch_runtimes_ids(built):
+    """Acceptance: every gallery image as a query, k = 6: ``search --runtime onnx`` on the folder the ONNX runtime
+    built gives the ids, paths and labels of ``search`` (torch) on the folder Lightning's predict loop built, and
+    scores within the export tolerance."""
+    queries = [str(built["gallery"])]
+    torch_rows = _search(["--index", str(built["torch"]), "--k", "6", *queries])
+    onnx_rows = _search(["--index", str(built["onnx"]), "--k", "6", "--runtime", "onnx", *queries])
+    assert len(torch_rows) == len(onnx_rows) == 16
+    for mine, theirs in zip(onnx_rows, torch_rows):
+        assert mine["query"] == theirs["query"]
+        assert [(r["id"], r["path"], r["label"]) for r in mine["results"]] == \
+            [(r["id"], r["path"], r["label"]) for r in theirs["results"]]
+        assert np.allclose([r["score"] for r in mine["results"]], [r["score"] for r in theirs["results"]], atol=1e-4)
+    record = json.loads((built["onnx"] / "onnx_export.json").read_text())
+    assert record["max_relative_error"] <= record["tolerance"] == TOLERANCE
+
+
+def test_the_onnx_search_path_imports_no_torch(built):
+    """Acceptance: ``lightning-dml search --runtime onnx`` in a fresh interpreter answers (the query image itself
+    first, score 1) with no ``torch`` module imported."""
+    query = str(built["gallery"] / "class2" / "1.png")
+    probe = ("import contextlib, io, json, sys\nfrom lightning_dml.entry import main\nout = io.StringIO()\n"
+             "with contextlib.redirect_stdout(out):\n    main(sys.argv[1:])\n"
+             "print(json.dumps({'out': out.getvalue(), 'torch': sorted(m for m in sys.modules "
+             "if m == 'torch' or m.startswith('torch.'))}))")
+    proc = subprocess.run([sys.executable, "-c", probe, "search", "--runtime", "onnx", "--index", str(built["onnx"]),
+                           "--k", "2", query], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "LIGHTNING_DML_HELP_CACHE": "0"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["torch"] == []
+    best = json.loads(result["out"])["results"][0]
+    assert best["path"] == query and abs(best["score"] - 1) < 1e-5
+
+
+def test_export_verifies_the_onnx_model_and_records_the_int8_error(tmp_path):
+    """``--formats onnx --quantize int8``: the float model reproduces PyTorch on a batch size the export never saw
+    (dynamic batch) within the tolerance; the int8 model's recorded error is what it measures again here."""
+    model = _model()
+    example = torch.randn(2, 1, 32, 32)
+    written = export_embedding_model(model, tmp_path, example, formats=("onnx",), quantize="int8")
+    record = json.loads(written["onnx_record"].read_text())
+    import onnxruntime as ort
+
+    batch = torch.randn(5, 1, 32, 32)
+    with torch.no_grad():
+        reference = model(batch).numpy()
+    float_model = ort.InferenceSession(str(written["onnx"]), providers=["CPUExecutionProvider"])
+    assert embedding_error(float_model.run(None, {"images": batch.numpy()})[0], reference) <= TOLERANCE
+    assert record["max_relative_error"] <= TOLERANCE and record["int8"]["file"] == written["onnx_int8"].name
+    samples = torch.cat([example, example[:1].flip(-1)])  # what the export verified on
+    with torch.no_grad():
+        sample_reference = model(samples).numpy()
+    int8 = ort.InferenceSession(str(written["onnx_int8"]), providers=["CPUExecutionProvider"])
+    again = embedding_error(int8.run(None, {"images": samples.numpy()})[0], sample_reference)
+    assert again == pytest.approx(record["int8"]["max_relative_error"], rel=1e-6)
+    assert 0 < again < 0.5  # int8 differs, but is still the model
+
+
+def test_an_onnx_model_that_differs_fails_the_export_with_the_difference(tmp_path, monkeypatch):
+    """The exporter monkeypatched to write another model's graph (weights of another seed): the export stops with
+    one error giving the difference against the tolerance, and leaves no ONNX file."""
+    real = onnx_export._onnx_export
+    monkeypatch.setattr(onnx_export, "_onnx_export", lambda model, example, path: real(_model(1), example, path))
+    model = _model(0)
+    with pytest.raises(OnnxExportError, match=r"max relative error \d\S* > tolerance 0.0001 on 3 sample images"):
+        export_embedding_model(model, tmp_path, torch.randn(2, 1, 32, 32), formats=("onnx",))
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_the_pixels_equal_the_torch_runtimes(tmp_path):
+    """:class:`PixelTransform` (NumPy) equals :class:`~lightning_dml.data.pil_eval.PILEvalTransform` (torch) bit for
+    bit: a BGR spec at scale 255 with bicubic resizing of an RGB image, and a grey image."""
+    from lightning_dml.data.pil_eval import PILEvalTransform
+    from lightning_dml.models.input_spec import InputSpec
+
+    rng = np.random.default_rng(0)
+    rgb = Image.fromarray(rng.integers(0, 256, (41, 57, 3), dtype=np.uint8), "RGB")
+    grey = Image.fromarray(rng.integers(0, 256, (30, 34), dtype=np.uint8), "L")
+    cases = [(InputSpec(color="BGR", scale=255.0, mean=(104.0, 117.0, 123.0), std=(1.0, 1.0, 1.0),
+                        interpolation="bicubic"), {"crop_size": 24, "resize_size": 28, "mode": "RGB"}, rgb),
+             (InputSpec(color="L", mean=(0.5,), std=(0.25,)), {"crop_size": 32, "resize_size": 36, "mode": "L"}, grey)]
+    import dataclasses
+
+    for spec, preprocess, image in cases:
+        expected = PILEvalTransform(spec, preprocess["crop_size"], preprocess["resize_size"])(image).numpy()
+        assert np.array_equal(PixelTransform(dataclasses.asdict(spec), preprocess)(image), expected)
+
+
+def test_options_the_onnx_path_does_not_serve_are_one_line(built):
+    query = str(built["gallery"] / "class0" / "0.png")
+    line = _one_error(["search", "--index", str(built["onnx"]), "--runtime", "onnx", "--rerank", "aqe", query])
+    assert "--rerank needs the torch runtime" in line
+    line = _one_error(["search", "--index", str(built["torch"]), "--runtime", "onnx", query])
+    assert "has no embedding_model.onnx: build it with lightning-dml index build --runtime onnx" in line
