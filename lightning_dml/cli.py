@@ -523,10 +523,12 @@ class DMLCLI(LightningCLI):
 def build_cli(args: Sequence[str] | None = None, run: bool = True) -> DMLCLI:
     """Build (and with ``run=True`` execute) the CLI; ``args`` replaces ``sys.argv[1:]`` (used by tests)."""
     os.environ.setdefault("WANDB_SILENT", "true")
+    from lightning_dml.rerank.cli_classes import reranker_fit_classes  # a re-ranker's config (configs/rerank/)
+
+    rerank = reranker_fit_classes(sys.argv[1:] if args is None else args)
     return DMLCLI(
-        DMLModule,
-        DMLDataModule,
-        subclass_mode_data=True,
+        *(rerank or (DMLModule, DMLDataModule)),
+        subclass_mode_data=rerank is None,
         save_config_callback=SaveRunConfig,  # config.yaml in the run's own folders (lightning_dml/run_config.py)
         save_config_kwargs={"overwrite": True},
         args=args,

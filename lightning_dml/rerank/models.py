@@ -156,7 +156,8 @@ class ConcatSiamese(PairwiseReranker):
         weights_path: a local weights file for the backbone (see ``TimmBackbone``).
         hidden: widths of the head's hidden layers (OML's ``mlp_hidden_dims``).
         dropout: dropout after each hidden layer of the head (OML: 0.5).
-        model_kwargs: further ``timm.create_model`` arguments (``{depth: 2}`` for tiny test models).
+        model_kwargs: further ``timm.create_model`` arguments (``{depth: 4, patch_size: 4}`` for small images,
+            ``{in_chans: 1}`` for grey images such as Glyphs'; timm adapts pretrained weights to them).
     """
 
     kind = "concat_siamese"
@@ -177,7 +178,9 @@ class ConcatSiamese(PairwiseReranker):
         self.backbone = TimmBackbone(self.model_name, pretrained=pretrained, weights_path=weights_path,
                                      img_size=self.img_size, model_kwargs={**self.model_kwargs,
                                                                            "dynamic_img_size": True})
+        #: the backbone's own preprocessing (timm's); a trained re-ranker's folder records the base model's instead
         self.input_spec = self.backbone.input_spec
+        self.in_chans = int(self.model_kwargs.get("in_chans", 3))
         layers: list[nn.Module] = []
         width = self.backbone.out_features
         for h in self.hidden:
@@ -191,7 +194,7 @@ class ConcatSiamese(PairwiseReranker):
                 "dropout": self.dropout, "model_kwargs": self.model_kwargs}
 
     def check_item(self, shape: Sequence[int], what: str) -> None:
-        want = (self.input_spec.channels, self.img_size, self.img_size)
+        want = (self.in_chans, self.img_size, self.img_size)
         if tuple(shape) != want:
             raise RerankerInputError(
                 f"the {self.kind} re-ranker takes images of shape {want} (channels, height, width); the {what} "
