@@ -218,7 +218,7 @@ def _equal(a: Any, b: Any) -> bool:
 #: validation and test compute): not the model, so they may differ from the checkpoint's
 #: (``test --ckpt_path X --model.metrics "[mrr, ndcg@5]"``). Every other hyper-parameter (architecture, loss,
 #: optimisation) must equal the checkpoint's.
-EVALUATION_HPARAMS = ("recall_at", "clustering", "metrics")
+EVALUATION_HPARAMS = ("recall_at", "clustering", "metrics", "metric_widths")
 
 
 def hparams_disagreements(

@@ -129,6 +129,9 @@ class DMLModule(pl.LightningModule):
             ``["precision@10", "mrr", "fnmr@fmr=0.001"]``); checked when the module is built. Evaluation batches
             with categories (:class:`~lightning_dml.data.CSVDataModule`) also give every metric per category,
             ``val/category/<name>/recall@1``, named by the data module's ``category_names``.
+        metric_widths: nested widths ``d_1 < d_2 < ...`` at which every metric is computed again on the leading
+            ``d`` dimensions of the embedding (a Matryoshka model, :class:`~lightning_dml.losses.MatryoshkaLoss`),
+            logged as ``val/w<d>/recall@1`` (:class:`~lightning_dml.metrics.RetrievalMetrics` ``widths``).
         gather_distributed: under DDP, score each process's batch against the embeddings of all processes
             (autograd-aware all-gather), so every anchor sees the negatives of the global batch: the loss and
             the gradients equal one process holding the global batch, for every loss and reduction option
@@ -217,6 +220,7 @@ class DMLModule(pl.LightningModule):
         layer_decay: float | None = None,
         loss_sizes: dict[str, int] | None = None,
         metrics: Sequence[str] = (),
+        metric_widths: Sequence[int] = (),
         embedding_chunk_size: int | None = None,
         regularizers: Sequence[dict[str, Any]] = (),
         miner: nn.Module | str | None = None,
@@ -280,7 +284,8 @@ class DMLModule(pl.LightningModule):
         self.head_lr_multiplier = head_lr_multiplier
         self.gather_distributed = gather_distributed
         metrics = (metrics,) if isinstance(metrics, str) else tuple(metrics)  # one name or a list of names
-        metric_args = {"recall_at": tuple(recall_at), "clustering": clustering, "metrics": metrics}
+        metric_args = {"recall_at": tuple(recall_at), "clustering": clustering, "metrics": metrics,
+                       "widths": list(metric_widths)}
         self.val_metrics = RetrievalMetrics(**metric_args)
         self.test_metrics = RetrievalMetrics(**metric_args)
 

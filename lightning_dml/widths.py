@@ -12,11 +12,11 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_dml.errors import UserInputError
 
-__all__ = ["WidthError", "check_width_fits", "check_widths", "cut", "split_widths", "width_key"]
+__all__ = ["LeadingDims", "WidthError", "check_width_fits", "check_widths", "cut", "split_widths", "width_key"]
 
 _KEY = re.compile(r"^w([0-9]+)/(.+)$")
 
@@ -72,3 +72,15 @@ def split_widths(values: dict[str, float]) -> tuple[dict[str, float], dict[int, 
         else:
             by_width.setdefault(int(m.group(1)), {})[m.group(2)] = value
     return plain, dict(sorted(by_width.items()))
+
+
+class LeadingDims(nn.Module):
+    """``model``'s output cut to its leading ``width`` dimensions: the embedder of an index built with
+    ``lightning-dml index build --width`` (every query is embedded, then cut, as the gallery was)."""
+
+    def __init__(self, model: nn.Module, width: int) -> None:
+        super().__init__()
+        self.model, self.width = model, int(width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return cut(self.model(x), self.width, "the index's model (index build --width)")

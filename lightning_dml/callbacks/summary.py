@@ -8,6 +8,7 @@ from pytorch_lightning.trainer.states import TrainerFn
 
 from lightning_dml.callbacks.retrieval import RetrievalComparison
 from lightning_dml.metrics_format import format_metric
+from lightning_dml.widths import split_widths
 
 __all__ = ["ValidationSummary", "format_metrics", "split_categories"]
 
@@ -37,9 +38,17 @@ def format_metrics(values: dict[str, float]) -> tuple[str, str | None]:
     (:func:`lightning_dml.metrics_format.format_metric`: rates in percent with two decimals, ``threshold@fmr=F`` as
     the score it is, four decimals)."""
     overall, per_category = split_categories(values)
-    name_width = max((len(n) for n in overall), default=0) + 2
-    lines = [f"{'':<{name_width}}{'value':>10}"]
-    lines += [f"{name:<{name_width}}{format_metric(name, value, 10)}" for name, value in overall.items()]
+    # nested widths (``w<d>/<metric>``, RetrievalMetrics(widths)): one column per width beside the full embedding's
+    overall, by_width = split_widths(overall)
+    columns = {"value" if not by_width else "full": overall, **{f"w{d}": col for d, col in by_width.items()}}
+    names = list(dict.fromkeys(n for col in columns.values() for n in col))
+    name_width = max((len(n) for n in names), default=0) + 2
+    lines = [f"{'':<{name_width}}" + "".join(f"{c:>10}" for c in columns)]
+    lines += [
+        f"{name:<{name_width}}"
+        + "".join(format_metric(name, col[name], 10) if name in col else f"{'-':>10}" for col in columns.values())
+        for name in names
+    ]
     if not per_category:
         return "\n".join(lines), None
     metrics = list(dict.fromkeys(m for row in per_category.values() for m in row))

@@ -23,6 +23,7 @@ from lightning_dml.index.folder import DEFAULT_LOCK_TIMEOUT, locked, settle
 from lightning_dml.index.gallery import read_items
 from lightning_dml.index.index import MODEL, EmbeddingIndex, IndexTable, _stat
 from lightning_dml.index.manifest import IndexFolderError, Manifest
+from lightning_dml.widths import cut
 
 __all__ = ["add_gallery", "build_index"]
 
@@ -44,6 +45,7 @@ def build_index(
     progress: bool = True,
     overwrite: bool = True,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    width: int | None = None,
     **kind_options: Any,
 ) -> EmbeddingIndex | None:
     """Embed ``gallery`` (a folder of class folders or a table, :mod:`lightning_dml.index.gallery`) with the
@@ -54,6 +56,11 @@ def build_index(
     :mod:`lightning_dml.index.folder`; the lock is taken after the embedding, waiting at most ``lock_timeout``
     seconds): a build stopped at any point leaves an existing index whole. ``overwrite=False`` refuses to
     replace an index folder (also one another process wrote during the embedding).
+
+    ``width``: keep the leading ``width`` dimensions of the embeddings (a Matryoshka model,
+    :mod:`lightning_dml.widths`), re-normalised for ``cosine``; the manifest records it and the index's embedder
+    cuts every query the same way. A width beyond the model's embedding is a
+    :class:`~lightning_dml.widths.WidthError` (after the embedding: the model's width is known then).
     """
     items = read_items(gallery, split)
     module, datamodule, record = load_checkpoint_model(config, ckpt_path)
@@ -65,6 +72,8 @@ def build_index(
     )
     if embeddings is None:
         return None
+    if width is not None:  # nested widths: the leading dimensions, normalised (cosine) by EmbeddingIndex.build
+        embeddings = cut(embeddings, width, "index build --width")
     stats = [_stat(str(p)) for p in items.paths]
     table = IndexTable(range(len(items)), [str(p) for p in items.paths], items.labels,
                        [s for s, _ in stats], [m for _, m in stats])
@@ -74,6 +83,7 @@ def build_index(
         "preprocess": preprocess,
         "model": MODEL,
         "gallery": [str(Path(gallery).expanduser().absolute())],
+        "width": width,
     }
     index = EmbeddingIndex.build(embeddings, table, kind=kind, metric=metric, manifest=manifest, shards=shards,
                                  **kind_options)

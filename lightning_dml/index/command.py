@@ -4,7 +4,7 @@
 
     lightning-dml index build --config CONFIG --ckpt_path CKPT --gallery PATH --kind flat --out DIR
         [--split SPLIT] [--shards N] [--nlist N] [--nprobe N] [--m N] [--nbits N] [--M N] [--ef_construction N]
-        [--ef_search N] [--vectors float32|int8|binary] [--rescore N] [--accelerator auto] [--devices 1]
+        [--ef_search N] [--vectors float32|int8|binary] [--rescore N] [--width N] [--accelerator auto] [--devices 1]
         [--strategy auto] [--num_workers 0] [--batch_size 128] [--overwrite] [--lock_timeout 600]
     lightning-dml index add --index DIR --gallery PATH [--split SPLIT] [--lock_timeout 600]
     lightning-dml index evaluate --index DIR [--queries PATH] [--k 10] [--recall_at 1 2 4 8] [--rerank SPEC]
@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--vectors", default=None, choices=("float32", "int8", "binary"),
                        help="the vectors a flat index holds: float32 (default), int8 (scalar codes, range "
                             "calibrated on the gallery) or binary (sign bits, Hamming distance; cosine only)")
+    build.add_argument("--width", type=int, default=None, help="keep the leading N dimensions of the embedding (a "
+                       "Matryoshka model, docs/losses/matryoshka.md), re-normalised; queries are cut the same way")
     build.add_argument("--rescore", type=int, default=None, help="with --vectors int8|binary: re-score the best N "
                        "candidates exactly with the float32 vectors kept on disk (embeddings.npy, memory-mapped)")
     build.add_argument("--accelerator", default="auto", help="Trainer accelerator of the embedding (default auto)")
@@ -149,6 +151,8 @@ def _build(args: argparse.Namespace) -> None:
 
     check_kind(args.kind, _kind_options(args))  # before any work
     check_store(args)
+    if args.store == "milvus" and args.width is not None:  # the Milvus store does not cut its queries
+        raise IndexCommandError("--width is an option of the faiss folder index: leave it out with --store milvus")
     if args.store == "milvus":
         return milvus_build_command(args, _kind_options(args))
     out = Path(args.out)
@@ -162,6 +166,8 @@ def _build(args: argparse.Namespace) -> None:
         raise IndexCommandError(f"--out {out} is an index; give a new folder, or --overwrite to replace it")
     if args.batch_size < 1 or args.num_workers < 0 or args.shards < 1:
         raise IndexCommandError("--batch_size and --shards must be >= 1, --num_workers >= 0")
+    if args.width is not None and args.width < 1:
+        raise IndexCommandError(f"--width must be >= 1 (the leading dimensions kept), got {args.width}")
     _check_lock_timeout(args)
     if args.runtime == "onnx":  # ONNX Runtime embeds the gallery (lightning_dml.onnx.build)
         return _build_onnx(args, out)
@@ -169,7 +175,7 @@ def _build(args: argparse.Namespace) -> None:
         args.config, args.ckpt_path, args.gallery, args.kind, out, split=args.split, shards=args.shards,
         accelerator=args.accelerator, devices=args.devices, strategy=args.strategy, num_workers=args.num_workers,
         batch_size=args.batch_size, progress=args.progress_bar, overwrite=args.overwrite,
-        lock_timeout=args.lock_timeout, **_kind_options(args),
+        lock_timeout=args.lock_timeout, width=args.width, **_kind_options(args),
     )
     if index is not None:
         print(f"lightning-dml index: {len(index)} items indexed ({index.kind}, {index.metric}, size {index.dim}) "

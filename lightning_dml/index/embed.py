@@ -125,7 +125,7 @@ class ImageEmbedder:
     """
 
     def __init__(self, model_path: str | os.PathLike, spec: InputSpec, preprocess: dict[str, Any],
-                 device: str | torch.device = "cpu", batch_size: int = 64) -> None:
+                 device: str | torch.device = "cpu", batch_size: int = 64, width: int | None = None) -> None:
         from lightning_dml.export import load_safe_embedding_model
         from lightning_dml.index.manifest import IndexFolderError
 
@@ -139,6 +139,10 @@ class ImageEmbedder:
             )
         self.device = torch.device(device)
         self.model = load_safe_embedding_model(model_path)
+        if width is not None:  # index build --width: the leading dimensions only (lightning_dml.widths)
+            from lightning_dml.widths import LeadingDims
+
+            self.model = LeadingDims(self.model, width)
         if self.device.type != "cpu":
             self.model = self.model.to(self.device)
         self.spec = spec

@@ -445,9 +445,12 @@ class EmbeddingIndex:
         """An :class:`~lightning_dml.index.manifest.IndexMismatchError` naming both values when ``what`` comes from
         another model than the index (another checkpoint sha256, another embedding size)."""
         if embedding_dim is not None and int(embedding_dim) != self.dim:
+            cut = "" if self.manifest.width is None else (
+                f" (the leading {self.dim} dimensions of its model's embeddings, index build --width {self.dim}: "
+                f"give queries of width {self.dim})")
             raise IndexMismatchError(
                 f"{what} have embedding size {int(embedding_dim)}, the index {self.folder or ''} holds embeddings "
-                f"of size {self.dim}: they come from another model"
+                f"of size {self.dim}{cut or ': they come from another model'}"
             )
         mine = self.manifest.checkpoint_sha256
         if checkpoint_sha256 is not None and mine is not None and checkpoint_sha256 != mine:
@@ -574,7 +577,8 @@ class EmbeddingIndex:
             spec = InputSpec(**{k: tuple(v) if isinstance(v, list) else v
                                 for k, v in (self.manifest.input_spec or {}).items()})
             device = "cuda" if self.device != "cpu" and torch.cuda.is_available() else "cpu"
-            embedder = ImageEmbedder(path, spec, self.manifest.preprocess or {}, device=device)
+            embedder = ImageEmbedder(path, spec, self.manifest.preprocess or {}, device=device,
+                                     width=self.manifest.width)
             self._check_unreplaced()  # the model read is the one of the folder these vectors came from
             self._embedder = embedder
         return self._embedder

@@ -18,6 +18,9 @@ Written by :meth:`~lightning_dml.index.EmbeddingIndex.save`, read by :meth:`~lig
 * ``calibration``: the match threshold of ``lightning-dml index calibrate`` (:mod:`lightning_dml.index.calibrate`:
   threshold, target, achieved FMR/FNMR, pair counts, the labelled data and the checkpoint sha256 it was computed
   with), ``None`` when the index was not calibrated; a rebuild (``index build --overwrite``) writes none;
+* ``width``: ``lightning-dml index build --width d`` kept the leading ``d`` dimensions of the model's embedding
+  (nested widths, :mod:`lightning_dml.widths`; re-normalised for ``cosine``; ``embedding_dim`` is then ``d``): the
+  index's embedder cuts every query the same way; ``None``: the full embedding;
 * ``uid``: a random id written by each save (:func:`folder_uid`): a reader that finds another ``uid`` after reading
   the other files knows the folder was replaced meanwhile (:mod:`lightning_dml.index.folder`); ``""`` in folders
   written before it existed.
@@ -87,6 +90,7 @@ class Manifest:
     model: str | None = None
     gallery: list[str] = field(default_factory=list)
     calibration: dict[str, Any] | None = None
+    width: int | None = None
     uid: str = ""
     format: int = FORMAT
     library: str = ""
@@ -157,4 +161,6 @@ class Manifest:
         manifest = cls(**{k: v for k, v in data.items() if k in names})
         if manifest.metric not in ("cosine", "euclidean"):
             raise IndexFolderError(f"{path}: metric {manifest.metric!r}, expected 'cosine' or 'euclidean'")
+        if manifest.width is not None and manifest.width != manifest.embedding_dim:
+            raise IndexFolderError(f"{path}: width {manifest.width!r} differs from embedding_dim {manifest.embedding_dim}")
         return manifest
