@@ -14,6 +14,10 @@ time of the loaded phase), errors (non-200 answers or failed connections; must b
 sum over the server's processes) and, for a memory check that is not one sample, the RSS after a second identical
 round (``--rounds 2``): growth between rounds beyond noise would be a leak. The figures depend on the machine and
 its load (print ``uptime`` beside them); ``--max_batch_size`` and ``--batch_timeout`` are passed to the server.
+
+``--runtimes torch onnx`` measures the server with each model runtime (``serve --runtime``; ``onnx`` needs an index
+built with ``index build --runtime onnx``, which holds both models) one after the other in the same run, on the
+same machine: one result and one set of markdown rows per runtime.
 """
 
 from __future__ import annotations
@@ -138,23 +142,12 @@ def query_images(paths: list[str]) -> list[tuple[bytes, str]]:
     return [(f.read_bytes(), IMAGE_SUFFIXES[f.suffix.lower()]) for f in files]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--index", required=True)
-    p.add_argument("--images", nargs="+", required=True, help="query image files or folders")
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--requests", type=int, default=200, help="requests per client and round")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=20)
-    p.add_argument("--k", type=int, default=10)
-    p.add_argument("--max_batch_size", type=int, default=8)
-    p.add_argument("--batch_timeout", type=float, default=0.01)
-    p.add_argument("--startup_timeout", type=float, default=300)
-    a = p.parse_args(argv)
-    images = query_images(a.images)
+def measure(a: argparse.Namespace, images: list[tuple[bytes, str]], runtime: str) -> dict:
+    """Start the server with ``runtime``, load it (warm-up, ``a.rounds`` rounds), stop it; the result."""
     port = free_port()
     cmd = [sys.executable, "-m", "lightning_dml", "serve", "--index", a.index, "--port", str(port),
-           "--max_batch_size", str(a.max_batch_size), "--batch_timeout", str(a.batch_timeout), "--accelerator", "cpu"]
+           "--max_batch_size", str(a.max_batch_size), "--batch_timeout", str(a.batch_timeout), "--accelerator", "cpu",
+           "--runtime", runtime]
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         wait_health(port, proc, a.startup_timeout)
@@ -171,18 +164,40 @@ def main(argv: list[str] | None = None) -> dict:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    result = {
-        "clients": a.clients, "requests_per_client": a.requests, "k": a.k, "max_batch_size": a.max_batch_size,
-        "batch_timeout": a.batch_timeout, "warmup_errors": warm["errors"], "rss_before_mib": round(rss_before, 1),
-        "rss_after_mib": rss, "rounds": rounds, "uptime": subprocess.run(["uptime"], capture_output=True,
-                                                                          text=True).stdout.strip(),
+    return {
+        "runtime": runtime, "clients": a.clients, "requests_per_client": a.requests, "k": a.k,
+        "max_batch_size": a.max_batch_size, "batch_timeout": a.batch_timeout, "warmup_errors": warm["errors"],
+        "rss_before_mib": round(rss_before, 1), "rss_after_mib": rss, "rounds": rounds,
+        "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
     }
-    print(json.dumps(result))
-    for i, r in enumerate(rounds):
-        print(f"| {i + 1} | {a.clients} x {a.requests} | {r['p50_ms']} | {r['p99_ms']} | {r['requests_per_s']} | "
-              f"{r['errors']} | {result['rss_before_mib']} | {rss[i]} |")
-    if any(r["errors"] for r in rounds) or warm["errors"]:
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--index", required=True)
+    p.add_argument("--images", nargs="+", required=True, help="query image files or folders")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--requests", type=int, default=200, help="requests per client and round")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--k", type=int, default=10)
+    p.add_argument("--max_batch_size", type=int, default=8)
+    p.add_argument("--batch_timeout", type=float, default=0.01)
+    p.add_argument("--startup_timeout", type=float, default=300)
+    p.add_argument("--runtimes", nargs="+", choices=("torch", "onnx"), default=["torch"],
+                   help="the server's model runtime(s), measured one after the other (default torch)")
+    a = p.parse_args(argv)
+    images = query_images(a.images)
+    results = [measure(a, images, runtime) for runtime in a.runtimes]
+    for result in results:
+        print(json.dumps(result))
+    for result in results:
+        for i, r in enumerate(result["rounds"]):
+            print(f"| {result['runtime']} | {i + 1} | {a.clients} x {a.requests} | {r['p50_ms']} | {r['p99_ms']} | "
+                  f"{r['requests_per_s']} | {r['errors']} | {result['rss_before_mib']} | {result['rss_after_mib'][i]} |")
+    if any(r["errors"] for result in results for r in result["rounds"]) or any(x["warmup_errors"] for x in results):
         raise SystemExit("errors during the load test")
+    result = results[0] if len(results) == 1 else {"runtimes": results}
     return result
 
 

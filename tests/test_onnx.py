@@ -163,3 +163,29 @@ def test_options_the_onnx_path_does_not_serve_are_one_line(built):
     assert "--rerank needs the torch runtime" in line
     line = _one_error(["search", "--index", str(built["torch"]), "--runtime", "onnx", query])
     assert "has no embedding_model.onnx: build it with lightning-dml index build --runtime onnx" in line
+
+
+def test_serve_runtime_onnx_answers_as_search_runtime_onnx(built):
+    """The server's worker with ``--runtime onnx`` (a JSON batch of two images, decoded and embedded as the server
+    does) answers the ids and scores of ``search --runtime onnx``."""
+    import base64
+
+    from lightning_dml.index import server as S
+
+    queries = [str(built["gallery"] / "class1" / "2.png"), str(built["gallery"] / "class3" / "0.png")]
+    expected = _search(["--index", str(built["onnx"]), "--k", "5", "--runtime", "onnx", *queries])
+    api = S.SearchAPI(str(built["onnx"]), runtime="onnx")
+    api.setup("cpu")
+    payload = {"images": [base64.b64encode(Path(q).read_bytes()).decode() for q in queries], "single": False, "k": 5,
+               "rerank": None, "threshold": None, "adaptive": None, "matches_only": False}
+    served = api.predict([api.decode_request(payload)])[0]["batch"]
+    for mine, theirs in zip(served, expected):
+        assert [r["id"] for r in mine["results"]] == [r["id"] for r in theirs["results"]]
+        assert np.allclose([r["score"] for r in mine["results"]], [r["score"] for r in theirs["results"]], atol=1e-6)
+
+
+def test_build_options_of_the_torch_runtime_are_refused_with_onnx(built, tmp_path):
+    line = _one_error(["index", "build", "--config", str(built["root"] / "config.yaml"), "--ckpt_path",
+                       str(built["root"] / "model.ckpt"), "--gallery", str(built["gallery"]), "--out",
+                       str(tmp_path / "x"), "--runtime", "onnx", "--devices", "2"])
+    assert "--devices is an option of the torch runtime" in line and not (tmp_path / "x").exists()
