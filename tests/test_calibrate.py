@@ -62,6 +62,16 @@ def test_pair_threshold_equals_brute_force_with_ties():
         found = pair_threshold(torch.from_numpy(x), torch.from_numpy(labels), fmr, "euclidean")
         check_threshold(found, pos, neg, fmr)
         assert int((neg == found["threshold"]).sum()) > 1  # the threshold is a tied score
+    # the false non-match target: the largest threshold rejecting at most floor(X x positives) positives
+    from lightning_dml.index.calibrate import fnmr_threshold
+
+    for fnmr in ("0.1", "0.5"):
+        found = fnmr_threshold(torch.from_numpy(x), torch.from_numpy(labels), fnmr, "euclidean", tile_memory=4096)
+        theta, allowed = found["threshold"], math.floor(Fraction(fnmr) * len(pos))
+        assert int((pos <= theta).sum()) <= allowed < int((pos <= np.nextafter(theta, np.inf)).sum())
+        assert found["fnmr"] == int((pos <= theta).sum()) / len(pos) <= float(Fraction(fnmr))
+        assert found["fmr"] == int((neg > theta).sum()) / len(neg)
+        assert (found["positives"], found["negatives"]) == (len(pos), len(neg))
     # cosine on the index's vectors: duplicated rows tie exactly
     xc = torch.from_numpy(np.repeat(rng.normal(size=(20, 8)), 2, axis=0).astype(np.float32))
     lc = np.repeat(rng.integers(0, 3, 20), 2)
@@ -214,6 +224,15 @@ def test_uncalibrated_index_and_bad_options_are_one_line(calibrated, index_dir, 
     line = _one_error(["index", "calibrate", "--index", str(index_dir), "--labelled", str(calibrated["labelled"]),
                        "--fmr", "1.5"])
     assert "--fmr '1.5' must be a number in (0, 1)" in line
+    code, _, err = _main_capture(["index", "calibrate", "--index", str(index_dir), "--labelled",
+                                  str(calibrated["labelled"]), "--fmr", "0.1", "--fnmr", "0.1"])
+    assert code == 2 and "argument --fnmr: not allowed with argument --fmr" in err and "Traceback" not in err
+    copy = tmp_path / "by_fnmr"
+    shutil.copytree(index_dir, copy)
+    code, out, err = _main_capture(["index", "calibrate", "--index", str(copy), "--labelled",
+                                    str(calibrated["labelled"]), "--fnmr", "0.25"])
+    cal = json.loads((copy / "manifest.json").read_text())["calibration"]
+    assert code == 0 and cal["target"] == {"fnmr": "0.25"} and cal["fnmr"] <= 0.25 and "target FNMR 0.25" in out
     unlabelled = tmp_path / "one.png"
     shutil.copy(index_dir.parent / "gallery" / "class0" / "img1.png", unlabelled)
     line = _one_error(["index", "calibrate", "--index", str(index_dir), "--labelled", str(unlabelled), "--fmr", "0.1"])

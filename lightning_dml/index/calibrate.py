@@ -51,6 +51,7 @@ __all__ = [
     "as_indexed",
     "calibrate_index",
     "check_calibration",
+    "fnmr_threshold",
     "labelled_identity",
     "load_labelled",
     "mark_results",
@@ -75,8 +76,8 @@ class CalibrationMismatchError(IndexMismatchError):
 
 # --------------------------------------------------------------------------------------------- functional core
 def parse_rate(text: str | float, option: str = "--fmr") -> str:
-    """The false match rate ``text`` as the canonical decimal the ``fnmr@fmr`` metric reads (``0 < F < 1``); a
-    :class:`CalibrationError` naming ``option`` otherwise."""
+    """The rate ``text`` (a false match or non-match rate) as the canonical decimal the ``fnmr@fmr`` metric reads
+    (``0 < F < 1``); a :class:`CalibrationError` naming ``option`` otherwise."""
     from lightning_dml.metrics.functional import parse_metric
 
     try:
@@ -123,6 +124,58 @@ def pair_threshold(embeddings: Tensor, labels: Tensor, fmr: str | float, metric:
                                "labelled set: there is no threshold; give a smaller --fmr")
     return {"threshold": theta / stats.score_scale, "fmr": pairs.fmr[0], "fnmr": pairs.fnmr[0],
             "positives": pairs.positives, "negatives": pairs.negatives}
+
+
+def fnmr_threshold(embeddings: Tensor, labels: Tensor, fnmr: str | float, metric: str = "cosine",
+                   **options: Any) -> dict[str, Any]:
+    """The threshold at the target false non-match rate ``fnmr`` over all pairs of a labelled set: the largest
+    threshold whose FNMR (positives ``<= theta`` over all positives) is at most ``fnmr`` (so the lowest FMR such a
+    threshold gives): with the positive scores ascending ``p_0 <= p_1 <= ...`` and ``m = floor(fnmr x positives)``
+    (exact rational arithmetic, as ``fnmr@fmr`` reads its rate), ``theta`` is the float64 number right below
+    ``p_m`` (``nextafter(p_m, -inf)``: no score lies between them, so exactly the positives below ``p_m`` are
+    rejected). The FMR there counts every negative pair's exact score ``> theta`` without an ``N x N`` matrix: the
+    exact engine's approximate tiles (:func:`~lightning_dml.metrics.functional.score_tile`) with their error bound,
+    the pairs within the bound of ``theta`` re-scored exactly. ``options``: those of
+    :func:`~lightning_dml.metrics.functional.prepare` / ``build_search`` (``indices``, ``query_mask``,
+    ``gallery_mask``, ``sequence``, ``device``; ``query_block``, ``gallery_chunk``, ``tile_memory``). Returns what :func:`pair_threshold` returns."""
+    from fractions import Fraction
+
+    from lightning_dml.metrics.functional import build_search, prepare, score_tile
+
+    rate = parse_rate(fnmr, "--fnmr")
+    prep = {k: options.pop(k) for k in ("indices", "query_mask", "gallery_mask") if k in options}
+    tiles = {k: options.pop(k) for k in ("query_block", "gallery_chunk", "tile_memory") if k in options}
+    ps = prepare(embeddings, labels, prep.get("indices"), prep.get("query_mask"), prep.get("gallery_mask"), **options)
+    task, scorer, grid = build_search(ps, metric=metric, precision="fp32", **tiles)
+    all_rows = torch.arange(task.q_items.numel(), device=task.device)
+    owner, gpos = task.positives(all_rows)
+    pos = torch.sort(scorer.exact(task.q_items[owner], task.g_items[gpos])).values
+    if pos.numel() == 0:
+        raise CalibrationError("the labelled set has no positive pair (every label occurs once): the false non-match "
+                               "rate cannot be measured; give at least two items of some label")
+    m = math.floor(Fraction(rate) * pos.numel())
+    theta = math.nextafter(float(pos[m]), -math.inf)
+    pairs = above = 0
+    ng = task.g_items.numel()
+    for b in range(grid.num_blocks(task)):
+        rows = grid.block_rows(task, b)
+        w = scorer.error_bound(task.q_items[rows], task.g_items).unsqueeze(1)
+        for c0 in range(0, ng, grid.gallery_chunk):
+            c1 = min(ng, c0 + grid.gallery_chunk)
+            a = score_tile(scorer, task, rows, c0, c1).double()
+            valid = torch.isfinite(a)
+            pairs += int(valid.sum())
+            above += int((a > theta + w).sum())
+            r, c = (valid & (a >= theta - w) & (a <= theta + w)).nonzero(as_tuple=True)
+            if r.numel():
+                above += int((scorer.exact(task.q_items[rows[r]], task.g_items[c + c0]) > theta).sum())
+    negatives = pairs - pos.numel()
+    if negatives == 0:
+        raise CalibrationError("the labelled set has no negative pair (one label only): the false match rate cannot "
+                               "be measured; give items of at least two labels")
+    neg_above = above - int((pos > theta).sum())
+    return {"threshold": theta / scorer.score_scale, "fmr": neg_above / negatives,
+            "fnmr": int((pos <= theta).sum()) / pos.numel(), "positives": int(pos.numel()), "negatives": negatives}
 
 
 def pair_scores(queries: Tensor, gallery: Tensor, metric: str = "cosine") -> Tensor:
@@ -267,9 +320,11 @@ def load_labelled(index: Any, source: str, split: str | None = None) -> tuple[Te
     return embeddings, labels, labelled_identity(source, items.paths) | {"items": len(items)}
 
 
-def calibrate_index(index_dir: str | os.PathLike, labelled: str, fmr: str | float, *, split: str | None = None,
-                    device: str = "cpu", lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> dict[str, Any]:
-    """Calibrate the index folder ``index_dir`` at the false match rate ``fmr`` on the labelled set ``labelled``
+def calibrate_index(index_dir: str | os.PathLike, labelled: str, fmr: str | float | None = None, *,
+                    fnmr: str | float | None = None, split: str | None = None, device: str = "cpu",
+                    lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> dict[str, Any]:
+    """Calibrate the index folder ``index_dir`` at the false match rate ``fmr`` (:func:`pair_threshold`) or at the
+    false non-match rate ``fnmr`` (:func:`fnmr_threshold`; one of the two) on the labelled set ``labelled``
     (:func:`load_labelled`) and store the result in its manifest (module docstring); returns the calibration.
 
     The labelled items are embedded and the threshold computed without the lock; the manifest is then written
@@ -278,13 +333,16 @@ def calibrate_index(index_dir: str | os.PathLike, labelled: str, fmr: str | floa
     from lightning_dml import __version__
     from lightning_dml.index.index import EmbeddingIndex
 
-    rate = parse_rate(fmr)
+    if (fmr is None) == (fnmr is None):
+        raise CalibrationError("give one target: --fmr F (false match rate) or --fnmr F (false non-match rate)")
+    kind, rate = ("fmr", parse_rate(fmr)) if fmr is not None else ("fnmr", parse_rate(fnmr, "--fnmr"))
     index = EmbeddingIndex.load(index_dir, device=device)
     embeddings, labels, identity = load_labelled(index, labelled, split)
-    found = pair_threshold(as_indexed(embeddings, index.metric), labels, rate, index.metric)
+    find = pair_threshold if kind == "fmr" else fnmr_threshold
+    found = find(as_indexed(embeddings, index.metric), labels, rate, index.metric)
     sha = index.manifest.checkpoint_sha256
     calibration = {
-        "threshold": found["threshold"], "rule": RULE, "target": {"fmr": rate}, "fmr": found["fmr"],
+        "threshold": found["threshold"], "rule": RULE, "target": {kind: rate}, "fmr": found["fmr"],
         "fnmr": found["fnmr"], "positives": found["positives"], "negatives": found["negatives"],
         "metric": index.metric, "checkpoint_sha256": sha, "labelled": identity,
         "computed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "library": __version__,

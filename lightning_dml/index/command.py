@@ -10,7 +10,7 @@
     lightning-dml index evaluate --index DIR [--queries PATH] [--k 10] [--recall_at 1 2 4 8] [--rerank SPEC]
         [--format table|json]
     lightning-dml index status --index DIR
-    lightning-dml index calibrate --index DIR --labelled PATH --fmr F [--split SPLIT] [--device cpu]
+    lightning-dml index calibrate --index DIR --labelled PATH (--fmr F | --fnmr F) [--split SPLIT] [--device cpu]
         [--lock_timeout 600]
 
 ``PATH``: an image folder of class folders or a CSV/Parquet table (:mod:`lightning_dml.index.gallery`); ``--queries``
@@ -125,8 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--index", required=True, help="the index folder")
     calibrate.add_argument("--labelled", required=True, help="labelled items: an image folder of class folders, a "
                            "table with labels, or a predictions.pt file of the index's checkpoint")
-    calibrate.add_argument("--fmr", required=True, help="the target false match rate over the negative pairs, in "
-                           "(0, 1), e.g. 0.001")
+    target = calibrate.add_mutually_exclusive_group(required=True)
+    target.add_argument("--fmr", default=None, help="the target false match rate over the negative pairs, in (0, 1), "
+                        "e.g. 0.001")
+    target.add_argument("--fnmr", default=None, help="or the target false non-match rate over the positive pairs, "
+                        "in (0, 1)")
     calibrate.add_argument("--split", default=None, help="a table's rows of this split only")
     calibrate.add_argument("--device", default="cpu", help="where the exported model embeds the labelled images")
     calibrate.add_argument("--lock_timeout", type=float, default=DEFAULT_LOCK_TIMEOUT, help="seconds to wait while "
@@ -282,6 +285,10 @@ def _status(args: argparse.Namespace) -> None:
         print(f"checkpoint changed: {change}")
     elif m.checkpoint_sha256:
         print("checkpoint unchanged since the index was built (same sha256)")
+    if m.calibration:  # lightning-dml index calibrate
+        cal = m.calibration
+        print(f"calibrated threshold: {cal.get('threshold')!r} ({cal.get('rule')}; target {cal.get('target')}: FMR "
+              f"{cal.get('fmr')}, FNMR {cal.get('fnmr')} on {(cal.get('labelled') or {}).get('path')})")
     changed = index.changed_files()
     print(f"changed gallery files: {len(changed)}")
     for i, path, what in changed:
@@ -291,12 +298,16 @@ def _status(args: argparse.Namespace) -> None:
 def _calibrate(args: argparse.Namespace) -> None:
     from lightning_dml.index.calibrate import calibrate_index, parse_rate
 
-    parse_rate(args.fmr)  # a bad rate is reported before any work
+    if args.fmr is not None:  # a bad rate is reported before any work
+        parse_rate(args.fmr)
+    else:
+        parse_rate(args.fnmr, "--fnmr")
     _check_lock_timeout(args)
-    cal = calibrate_index(args.index, args.labelled, args.fmr, split=args.split, device=args.device,
+    cal = calibrate_index(args.index, args.labelled, args.fmr, fnmr=args.fnmr, split=args.split, device=args.device,
                           lock_timeout=args.lock_timeout)
-    print(f"lightning-dml index: threshold {cal['threshold']!r} (match: {cal['rule']}) at target FMR "
-          f"{cal['target']['fmr']}: FMR {cal['fmr']:.6g}, FNMR {cal['fnmr']:.6g} over {cal['negatives']} negative and "
+    (kind, rate), = cal["target"].items()
+    print(f"lightning-dml index: threshold {cal['threshold']!r} (match: {cal['rule']}) at target {kind.upper()} "
+          f"{rate}: FMR {cal['fmr']:.6g}, FNMR {cal['fnmr']:.6g} over {cal['negatives']} negative and "
           f"{cal['positives']} positive pairs of {cal['labelled']['items']} labelled items; stored in "
           f"{Path(args.index) / MANIFEST}")
 
