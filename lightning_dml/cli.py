@@ -439,8 +439,8 @@ class DMLCLI(LightningCLI):
         self._warn_without_checkpoint("test")
         self._one_metrics_table("test")
         for callback in self.trainer.callbacks:  # --rerank: its folder and base checkpoint before the model runs
-            if isinstance(callback, PairwiseRerankTest):
-                callback.check_checkpoint(self.config_init["test"].get("ckpt_path"))
+            if isinstance(callback, PairwiseRerankTest) and (ckpt_path is None or os.path.isfile(ckpt_path)):
+                callback.check_checkpoint(ckpt_path)  # else (last, hpc) when Lightning has resolved it
 
     def before_predict(self) -> None:
         """The warning without ``--ckpt_path``; ``--output`` checked (:func:`~lightning_dml.callbacks.predictions.

@@ -22,6 +22,7 @@ result) and the values are logged as global (``sync_dist`` with ``max`` of equal
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytorch_lightning as pl
@@ -59,19 +60,25 @@ class PairwiseRerankTest(pl.Callback):
         #: the last re-ranked lists (every process): ``{"query": [Q] dataset indices, "ranked": [Q, L] dataset
         #: indices (-1 padding), "metrics": {...}}``
         self.result: dict[str, Any] | None = None
+        self._checked: str | None = None
 
     def check_checkpoint(self, ckpt_path: str | None) -> None:
         """Loads the re-ranker (a missing or broken folder: one line) and refuses one whose base checkpoint is not
-        ``ckpt_path`` (by sha256; none given: refused, the initial weights are no base model)."""
+        ``ckpt_path`` (by sha256; none given: refused, the initial weights are no base model). A path checked
+        already is not read again."""
         from lightning_dml.checkpoints import checkpoint_record
         from lightning_dml.index.pairwise import check_base
 
+        key = None if ckpt_path is None else os.path.realpath(str(ckpt_path))
+        if key is not None and key == self._checked:
+            return
         model = self.reranker.load("cpu")
         sha = None if ckpt_path is None else (checkpoint_record(str(ckpt_path)) or {}).get("sha256")
         check_base(model, sha, f"the tested checkpoint {ckpt_path}" if ckpt_path else "the test", self.reranker.model)
+        self._checked = key
 
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.check_checkpoint(trainer.ckpt_path)
+        self.check_checkpoint(trainer.ckpt_path)  # the file Lightning loaded (``last`` resolved)
 
     def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         from lightning_dml.metrics import RetrievalMetrics
