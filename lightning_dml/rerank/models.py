@@ -74,8 +74,8 @@ class PairwiseReranker(nn.Module):
 
         Pairs are formed by indexing (no copy of the query per candidate) and scored ``block`` pairs at a time
         (default :attr:`default_block`); each pair's logit depends on that pair only, so the block size changes no
-        result but the last bits of a matrix product over another number of rows (a ViT's ``Linear`` layers; exact
-        for :class:`FeatureDistanceSiamese` in practice). The model is used in the mode it is in:
+        result but the last bits of a matrix product over another number of rows (the ``Linear`` layers; ~1e-7
+        of a logit on the CPU). The model is used in the mode it is in:
         :func:`~lightning_dml.rerank.io.load_reranker` returns it in eval mode (no dropout).
         Runs without gradient, in float32, with autocast switched off (a bfloat16 logit would tie near candidates).
         """
