@@ -163,6 +163,8 @@ def test_options_the_onnx_path_does_not_serve_are_one_line(built):
     assert "--rerank needs the torch runtime" in line
     line = _one_error(["search", "--index", str(built["torch"]), "--runtime", "onnx", query])
     assert "has no embedding_model.onnx: build it with lightning-dml index build --runtime onnx" in line
+    line = _one_error(["serve", "--index", str(built["torch"]), "--runtime", "onnx", "--port", "0"])
+    assert "has no embedding_model.onnx" in line  # before any server process starts
 
 
 def test_serve_runtime_onnx_answers_as_search_runtime_onnx(built):

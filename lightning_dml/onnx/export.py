@@ -145,7 +145,7 @@ def export_onnx(model: nn.Module, example: torch.Tensor, directory: str | os.Pat
             cosines = np.sum(_unit(quantised) * _unit(reference), axis=1)
             record["int8"] = {"file": ONNX_INT8_MODEL, "method": "onnxruntime quantize_dynamic (QInt8 weights)",
                               "max_relative_error": embedding_error(quantised, reference),
-                              "min_cosine_to_float": float(cosines.min())}
+                              "min_cosine_to_torch": float(cosines.min())}
             os.replace(staged_int8, out / ONNX_INT8_MODEL)
         os.replace(staged, target)
         record_path = out / ONNX_RECORD
