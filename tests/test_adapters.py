@@ -269,3 +269,34 @@ def test_glyphs_fit_with_lora_through_the_cli_then_export(weights_file, tmp_path
         want = reloaded(images)
         torch.testing.assert_close(exported(images), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(model.eval()(images), want, rtol=0, atol=0)  # the fit's model itself
+
+
+def test_cli_refuses_vpt_on_a_cnn_in_one_line(tmp_path, monkeypatch, capsys):
+    from lightning_dml.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["lightning-dml"])
+    args = ["fit", "--model.backbone", "lightning_dml.models.TimmBackbone",
+            "--model.backbone.init_args.model_name", "resnet10t", "--model.backbone.init_args.pretrained", "false",
+            "--model.backbone.init_args.adapter", "vpt", "--data", "lightning_dml.data.GlyphsDataModule",
+            "--trainer.logger", "false"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "lightning-dml: error: adapter 'vpt' (visual prompt tuning) needs a timm VisionTransformer" in err
+    assert "backbone resnet10t (ResNet) is not one" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------------------------------------ configs
+@pytest.mark.parametrize("dataset", ["cub200", "cars196", "sop", "inshop"])
+def test_lora_config_is_the_vit_recipe_with_lora(dataset):
+    """configs/<benchmark>/vits16_dino_lora.yaml: the ViT-S/16 DINO triplet recipe, with LoRA and lr 1e-4 only."""
+    root = Path(__file__).resolve().parents[1] / "configs" / dataset
+    lora = yaml.safe_load((root / "vits16_dino_lora.yaml").read_text())
+    recipe = yaml.safe_load((root / "vit_small_dino_triplet.yaml").read_text())
+    added = {"adapter": "lora", "lora_r": 8, "lora_alpha": 8.0, "lora_dropout": 0.0,
+             "lora_targets": ["attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"]}
+    recipe["model"]["backbone"]["init_args"].update(added)
+    recipe["model"]["optimizer"]["init_args"]["lr"] = 1e-4
+    assert lora == recipe
