@@ -96,3 +96,29 @@ def test_width_beyond_the_embedding_refused_at_call():
         MatryoshkaLoss(widths=[4, 16])(x, y)
     with pytest.raises(ValueError, match="ref_embeddings have dim 4"):
         MatryoshkaLoss(widths=[2, 4])(x, y, x[:, :4], y)
+
+
+def test_cli_fit_trains_matryoshka_and_validates_every_width(tmp_path, monkeypatch, capsys):
+    """The one CLI fit of the package: MatryoshkaLoss configured from the command line (class path and init_args),
+    ``--model.metric_widths``: the logged ``val/w<d>/...`` metrics and the printed table's width columns."""
+    import warnings
+
+    from lightning_dml.cli import build_cli
+    from tests.test_cli import FAST, GLYPHS
+
+    monkeypatch.chdir(tmp_path)
+    args = ["fit", "--config", str(GLYPHS), *FAST, "--trainer.callbacks=[]", "--trainer.limit_train_batches=2",
+            "--trainer.limit_val_batches=2", "--trainer.num_sanity_val_steps=0", "--trainer.logger=false",
+            "--model.loss", "lightning_dml.losses.MatryoshkaLoss", "--model.loss.init_args.loss", "contrastive",
+            "--model.loss.init_args.widths", "[4, 8, 16]", "--model.loss.init_args.weights", "[1, 1, 2]",
+            "--model.metric_widths", "[4, 8]"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cli = build_cli(args)
+    loss = cli.model.loss
+    assert isinstance(loss, MatryoshkaLoss) and (loss.widths, loss.weights) == ([4, 8, 16], [1.0, 1.0, 2.0])
+    assert type(loss.loss).__name__ == "ContrastiveLoss" and cli.trainer.global_step == 2
+    logged = cli.trainer.callback_metrics
+    assert {"val/recall@1", "val/w4/recall@1", "val/w8/map@r"} <= set(logged)
+    header = [line for line in capsys.readouterr().out.splitlines() if line.split() == ["full", "w4", "w8"]]
+    assert header, "the validation table has no width columns"
