@@ -22,12 +22,14 @@ __all__ = ["ServedOnnxModel"]
 
 class ServedOnnxModel:
     """The ONNX model of ``index`` (an :class:`~lightning_dml.index.EmbeddingIndex` loaded from a folder) on
-    ``device`` (LitServe's: ``cpu`` or ``cuda:<i>``), as the server's embedder."""
+    ``device`` (LitServe's: ``cpu``, or ``cuda:<i>``: onnxruntime's CUDA provider where it has one, on its first
+    GPU), as the server's embedder."""
 
     def __init__(self, index: Any, device: str = "cpu") -> None:
         if getattr(index, "folder", None) is None:
             raise UserInputError("--runtime onnx serves an index folder (its embedding_model.onnx), not this store")
-        self.onnx = onnx_embedder(index.folder, index.manifest, "cpu" if str(device) == "cpu" else "cuda")
+        # a GPU worker: CUDA where this onnxruntime has it, else its CPU provider (onnxruntime without CUDA)
+        self.onnx = onnx_embedder(index.folder, index.manifest, "cpu" if str(device) == "cpu" else "auto")
         self.mode = self.onnx.mode
         self.batch_size = self.onnx.batch_size
         self.device = torch.device("cpu")  # inputs stay on the host: onnxruntime copies them to its device
