@@ -136,9 +136,12 @@ def connect(uri: str) -> Any:
             raise MilvusStoreError(f"--uri {uri}: a .db URI is a Milvus Lite database, which needs milvus-lite: "
                                    f"{_EXTRA}") from None
         Path(uri).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
+    # Milvus Lite's in-process gRPC server allows a keepalive ping every 5 minutes only (gRPC's default policy), and
+    # answers pymilvus's default pings every 10 s on an idle connection with GOAWAY "too_many_pings"
+    options = {"grpc_options": {"grpc.keepalive_time_ms": 300_000}} if is_local_uri(uri) else {}
     try:
         with _quiet():
-            return pymilvus.MilvusClient(uri=uri, timeout=30)
+            return pymilvus.MilvusClient(uri=uri, timeout=30, **options)
     except Exception as error:  # noqa: BLE001 - any connection failure is one line
         why = " ".join(str(getattr(error, "message", error)).split())
         if is_local_uri(uri):

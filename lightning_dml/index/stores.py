@@ -80,7 +80,7 @@ def milvus_build_command(args: argparse.Namespace, kind_options: dict[str, Any])
     collection ``--out`` at ``--uri`` (a FLAT Milvus index: ``--kind flat``, no kind options, one shard)."""
     import os
 
-    from lightning_dml.index.milvus import MilvusIndex, build_milvus_index, connect, is_local_uri
+    from lightning_dml.index.milvus import MilvusIndex, build_milvus_index, connect, is_local_uri, release
 
     if args.kind != "flat" or kind_options or args.shards != 1:
         raise StoreOptionError("--store milvus stores a FLAT Milvus collection (exact search): --kind flat without "
@@ -94,7 +94,11 @@ def milvus_build_command(args: argparse.Namespace, kind_options: dict[str, Any])
         # before the embedding: the store answers and the name is free (or --overwrite); the other DDP ranks never
         # open it (Milvus Lite opens a database in one process)
         client = connect(args.uri)
-        MilvusIndex.check_name_free(client, args.uri, args.out, args.overwrite)
+        try:
+            MilvusIndex.check_name_free(client, args.uri, args.out, args.overwrite)
+        finally:  # not held idle through the embedding (its gRPC channel would be dropped meanwhile)
+            client.close()
+            release(args.uri)
     index = build_milvus_index(
         args.config, args.ckpt_path, args.gallery, uri=args.uri, collection=args.out, model_dir=args.model_dir,
         split=args.split, replace=args.overwrite, accelerator=args.accelerator, devices=args.devices,
