@@ -7,7 +7,9 @@
 * :mod:`lightning_dml.onnx.runtime` (no torch): :class:`~lightning_dml.onnx.runtime.OnnxEmbedder`, the image
   preprocessing of the index (PIL and NumPy) and an ``onnxruntime`` session (CPU, or CUDA where available);
 * :mod:`lightning_dml.onnx.folder_search` (no torch): an index folder's faiss files and table searched from NumPy
-  queries, the path of ``lightning-dml search --runtime onnx``.
+  queries, and :mod:`lightning_dml.onnx.search`, the command ``lightning-dml search --runtime onnx`` on them;
+* :mod:`lightning_dml.onnx.build` (``index build --runtime onnx``) and :mod:`lightning_dml.onnx.serve` (``serve
+  --runtime onnx``), which need torch (the checkpoint, the server's search).
 
 Nothing here is imported by ``import lightning_dml.onnx``: the runtime modules must stay free of torch.
 """

@@ -77,13 +77,24 @@ def _read_table(path: Path) -> tuple[np.ndarray, list[str], list[str]]:
 def onnx_embedder(folder: str | os.PathLike, manifest: Manifest, device: str = "cpu",
                   batch_size: int = 64) -> OnnxEmbedder:
     """The :class:`~lightning_dml.onnx.runtime.OnnxEmbedder` of an index folder's ``embedding_model.onnx`` (written
-    by ``index build --runtime onnx``) with the index's preprocessing; a folder without one is one line."""
+    by ``index build --runtime onnx``) with the index's preprocessing (``manifest``: the one loaded with the vectors;
+    a folder replaced since is an error, as :meth:`~lightning_dml.index.EmbeddingIndex.embedder` says); a folder
+    without one is one line."""
     path = Path(folder) / ONNX_MODEL
     if not path.is_file():
         raise OnnxSearchError(f"index folder {folder} has no {ONNX_MODEL}: build it with lightning-dml index build "
                               "--runtime onnx, or leave out --runtime onnx")
-    return OnnxEmbedder(path, manifest.input_spec or {}, manifest.preprocess or {}, device=device,
-                        batch_size=batch_size)
+    _check_unreplaced(folder, manifest)
+    embedder = OnnxEmbedder(path, manifest.input_spec or {}, manifest.preprocess or {}, device=device,
+                            batch_size=batch_size)
+    _check_unreplaced(folder, manifest)  # the model read is the one of the folder these vectors came from
+    return embedder
+
+
+def _check_unreplaced(folder: str | os.PathLike, manifest: Manifest) -> None:
+    if folder_uid(folder) != manifest.uid:
+        raise IndexFolderError(f"index folder {folder} was replaced since it was loaded (index build --overwrite or "
+                               "index add): its model need not be the one of the loaded vectors; load it again")
 
 
 class FolderSearch:
