@@ -192,6 +192,8 @@ def test_search_and_evaluate_commands_answer_as_on_the_faiss_folder(cli):
     milvus = _search([*store, "--k", "5", *queries])
     _same_results(milvus, _search(["--index", str(cli["flat"]), "--k", "5", *queries]))
     assert milvus[-1]["results"][0]["path"] == str(cli["gallery"] / "class2" / "0.png")  # itself first
+    _same_results(_search([*store, "--k", "4", "--rerank", "kreciprocal:k1=4,k2=2", queries[1]]),
+                  _search(["--index", str(cli["flat"]), "--k", "4", "--rerank", "kreciprocal:k1=4,k2=2", queries[1]]))
     code, out, err = _main_capture(["index", "evaluate", *store, "--k", "4", "--format", "json"])
     assert code == 0, err[-3000:]
     code, ref, err = _main_capture(["index", "evaluate", "--index", str(cli["flat"]), "--k", "4", "--format", "json"])
@@ -234,6 +236,8 @@ def test_store_errors_are_one_line(cli, tmp_path):
     line = _one_error(["serve", "--store", "milvus", "--uri", cli["db"], "--index", "glyphs",
                        "--workers_per_device", "2"])
     assert "one process opens at a time" in line
+    line = _one_error(["serve", "--store", "milvus", "--uri", cli["db"], "--index", "glyphs", "--runtime", "onnx"])
+    assert "--runtime onnx" in line and "--store milvus" in line
     line = _one_error(["index", "build", "--config", str(cli["config"]), "--ckpt_path", str(cli["ckpt"]),
                        "--gallery", str(cli["gallery"]), "--store", "milvus", "--uri", cli["db"], "--out", "glyphs"])
     assert "exists" in line and "--overwrite" in line  # before any embedding

@@ -38,12 +38,16 @@ def add_store_arguments(parser: argparse.ArgumentParser, *, build: bool = False)
 
 
 def check_store(args: argparse.Namespace) -> None:
-    """One :class:`StoreOptionError` for ``--uri`` without ``--store milvus`` or the reverse, and for several
-    ``serve`` workers on a Milvus Lite database (one process opens it at a time)."""
+    """One :class:`StoreOptionError` for ``--uri`` without ``--store milvus`` or the reverse, for ``--runtime onnx``
+    with ``milvus`` (an index folder's ONNX model), and for several ``serve`` workers on a Milvus Lite database (one
+    process opens it at a time)."""
     if args.store == "milvus" and not args.uri:
         raise StoreOptionError("--store milvus needs --uri (http://host:19530, or ./gallery.db for Milvus Lite)")
     if args.store != "milvus" and (args.uri or getattr(args, "model_dir", None)):
         raise StoreOptionError("--uri and --model_dir go with --store milvus")
+    if args.store == "milvus" and getattr(args, "runtime", "torch") != "torch":
+        raise StoreOptionError("--runtime onnx works on an index folder (its embedding_model.onnx): leave it out with "
+                               "--store milvus")
     local = args.store == "milvus" and not str(args.uri).startswith(("http://", "https://", "tcp://", "grpc://"))
     if local and getattr(args, "workers_per_device", 1) > 1:
         raise StoreOptionError(f"--uri {args.uri} is a Milvus Lite database, which one process opens at a time: "
