@@ -191,3 +191,21 @@ def test_build_options_of_the_torch_runtime_are_refused_with_onnx(built, tmp_pat
                        str(built["root"] / "model.ckpt"), "--gallery", str(built["gallery"]), "--out",
                        str(tmp_path / "x"), "--runtime", "onnx", "--devices", "2"])
     assert "--devices is an option of the torch runtime" in line and not (tmp_path / "x").exists()
+
+
+def test_the_execution_providers_of_each_device():
+    """``cpu``: the CPU provider; ``auto``: CUDA first where onnxruntime has it; ``cuda`` without it, or another
+    device, is one line."""
+    import onnxruntime as ort
+
+    from lightning_dml.onnx.runtime import OnnxRuntimeError, providers_for
+
+    assert providers_for("cpu") == ["CPUExecutionProvider"]
+    with pytest.raises(OnnxRuntimeError, match="--device tpu: the ONNX runtime runs on cpu, cuda or auto"):
+        providers_for("tpu")
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        assert providers_for("auto")[0] == providers_for("cuda:0")[0] == "CUDAExecutionProvider"
+    else:
+        assert providers_for("auto") == ["CPUExecutionProvider"]
+        with pytest.raises(OnnxRuntimeError, match="has no CUDAExecutionProvider.*pip install onnxruntime-gpu"):
+            providers_for("cuda")

@@ -28,8 +28,8 @@ from PIL import Image
 
 from lightning_dml.errors import UserInputError
 
-__all__ = ["ONNX_MODEL", "ONNX_INT8_MODEL", "ONNX_RECORD", "OnnxEmbedder", "PixelTransform", "onnxruntime_module",
-           "providers_for"]
+__all__ = ["ONNX_MODEL", "ONNX_INT8_MODEL", "ONNX_RECORD", "OnnxEmbedder", "OnnxRuntimeError", "PixelTransform",
+           "onnxruntime_module", "providers_for"]
 
 #: the float32 ONNX model, the int8 (dynamically quantised) one, and the export's record (JSON), as written into an
 #: export folder or an index folder
