@@ -285,3 +285,64 @@ def test_serve_and_test_time_give_an_images_reranker_the_same_pixels(setup, monk
         dist = [float(((pixels[q] - pixels[j]) ** 2).mean()) for j in top]
         loop = [j for _, _, j in sorted(zip(dist, range(6), top))]
         assert out["ranked"][q].tolist() == loop + exact[q, 6:].tolist()
+
+
+def test_the_test_post_processing_follows_masks_and_sequences_as_a_loop(monkeypatch):
+    """``rerank_test_set`` on a set with query/gallery roles, sequences and tied embeddings against a loop written
+    from the definitions: each query's gallery items outside its sequence by exact score (ties: smaller index),
+    the first top_n re-sorted by the re-ranker's logit (ties: that order), Recall@K and MAP@R."""
+    from lightning_dml.callbacks.pairwise_test import rerank_test_set
+
+    g = torch.Generator().manual_seed(3)
+    centres = torch.randn(3, 8, generator=g)
+    labels = torch.arange(24) % 3
+    emb = centres[labels] + 0.6 * torch.randn(24, 8, generator=g)
+    emb[5] = emb[2]  # an exact tie
+    sequence = torch.arange(24) // 4
+    is_query, is_gallery = torch.arange(24) % 2 == 0, torch.arange(24) % 3 != 1
+    indices = torch.randperm(24, generator=g) + 100
+    torch.manual_seed(7)
+    model = FeatureDistanceSiamese(8, identity_init=False)
+    monkeypatch.setattr(P, "load_pairwise_model", lambda folder, device="cpu": model)
+    data = {"embeddings": emb, "labels": labels, "indices": indices, "query_mask": is_query,
+            "gallery_mask": is_gallery, "sequence": sequence, "category": None}
+    out = rerank_test_set(P.PairwiseRerank(model="unused", top_n=5), data, "cosine", (1, 2), None)
+
+    unit = torch.nn.functional.normalize(emb.double(), dim=1)
+    stored = torch.nn.functional.normalize(emb, dim=1)
+    recall1, recall2, aps, queries = [], [], [], []
+    for q in sorted(range(24), key=lambda i: int(indices[i])):
+        if not is_query[q]:
+            continue
+        gallery = [j for j in range(24) if is_gallery[j] and j != q and sequence[j] != sequence[q]]
+        base = sorted(gallery, key=lambda j: (-float(unit[q] @ unit[j]), int(indices[j])))
+        logits = model.score(stored[q : q + 1], stored[base[:5]].unsqueeze(0))[0].tolist()
+        head = [j for _, _, j in sorted(zip(logits, range(5), base[:5]), key=lambda t: (-t[0], t[1]))]
+        ranked = head + base[5:]
+        queries.append(int(indices[q]))
+        listed = [i for i in out["ranked"][len(queries) - 1].tolist() if i >= 0]  # as long as R and top_n need
+        r = sum(bool(labels[j] == labels[q]) for j in ranked)
+        assert len(listed) >= max(r, 5) and listed == [int(indices[j]) for j in ranked[: len(listed)]]
+        rel = [bool(labels[j] == labels[q]) for j in ranked]
+        recall1.append(float(rel[0]))
+        recall2.append(float(any(rel[:2])))
+        if r:
+            aps.append(sum(sum(rel[: i + 1]) / (i + 1) for i in range(r) if rel[i]) / r)
+    assert out["query"].tolist() == queries
+    assert out["metrics"]["recall@1"] == pytest.approx(sum(recall1) / len(recall1), abs=1e-12)
+    assert out["metrics"]["recall@2"] == pytest.approx(sum(recall2) / len(recall2), abs=1e-12)
+    assert out["metrics"]["map@r"] == pytest.approx(sum(aps) / len(aps), abs=1e-12)
+
+
+def test_an_index_the_reranker_cannot_serve_is_refused(setup, tmp_path):
+    from lightning_dml.index import EmbeddingIndex
+
+    save_reranker(FeatureDistanceSiamese(8), tmp_path / "narrow",
+                  base_checkpoint_sha256=checkpoint_record(setup["ckpt"])["sha256"])
+    query = str(setup["root"] / "queries" / "class0" / "0.png")
+    line = _one_error(["search", "--index", str(setup["flat"]), "--k", "3", query, "--rerank",
+                       f"pairwise:model={tmp_path / 'narrow'},top_n=3"])
+    assert "compares embeddings of size 8, the index holds size 16" in line
+    from_tensors = EmbeddingIndex.build(torch.randn(6, 16), kind="flat")
+    with pytest.raises(RerankOptionError, match="records no checkpoint sha256"):
+        parse_rerank(f"pairwise:model={setup['rr']},top_n=3").check_index(from_tensors)
