@@ -15,6 +15,10 @@ Usage::
 
     OMP_NUM_THREADS=2 python bench/matryoshka_glyphs.py --steps 200 --seeds 0 --out matryoshka.md
     python bench/matryoshka_glyphs.py --steps 3 --widths 8 16 --seeds 0     # a quick check
+    # the runs split over processes (each logs its runs to stderr), then one table from the logs:
+    python bench/matryoshka_glyphs.py --runs matryoshka 8 16 2> a.log &
+    python bench/matryoshka_glyphs.py --runs 32 64 128 2> b.log
+    python bench/matryoshka_glyphs.py --merge a.log b.log
 
 Prints (and with ``--out`` writes) a markdown table of test Recall@1 and MAP@R (%) per width, and the wall time
 of each run.
@@ -23,7 +27,9 @@ of each run.
 from __future__ import annotations
 
 import argparse
+import ast
 import os
+import re
 import statistics
 import sys
 import time
@@ -75,8 +81,8 @@ def table(widths: list[int], results: dict[str, list[dict[str, Any]]]) -> str:
     """Markdown: one row per width, Recall@1 / MAP@R (%) of the Matryoshka model, the fixed model of that width and
     the cut of the widest fixed model."""
     full = max(widths)
-    lines = ["| width | Matryoshka R@1 | fixed R@1 | cut of fixed-" + str(full) + " R@1 | Matryoshka MAP@R | fixed MAP@R | "
-             "cut of fixed-" + str(full) + " MAP@R |", "|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"| width | Matryoshka R@1 | fixed R@1 | cut of fixed-{full} R@1 | Matryoshka MAP@R | fixed MAP@R | "
+             f"cut of fixed-{full} MAP@R |", "|---:|---:|---:|---:|---:|---:|---:|"]
     for d in widths:
         cells = []
         for name in ("recall@1", "map@r"):
@@ -99,6 +105,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--steps", type=int, default=200, help="training steps of every run")
     parser.add_argument("--root", default="matryoshka_runs", help="trainer.default_root_dir of the runs")
     parser.add_argument("--out", default=None, help="also write the markdown table to this file")
+    parser.add_argument("--runs", nargs="+", default=None, help="only these runs: matryoshka and/or fixed widths")
+    parser.add_argument("--merge", nargs="+", default=None, help="no runs: the table from these runs' stderr logs")
     args = parser.parse_args(argv)
     widths = sorted(set(args.widths))
     if args.steps < 1 or widths[0] < 1:
@@ -107,12 +115,23 @@ def main(argv: list[str] | None = None) -> str:
     sys.argv = sys.argv[:1]  # the runs' arguments go to build_cli, not through sys.argv
     WIDTHS_OF_FIXED[max(widths)] = widths
     results: dict[str, list[dict[str, Any]]] = {"matryoshka": [], **{f"fixed {d}": [] for d in widths}}
-    for seed in args.seeds:
-        results["matryoshka"].append(run(seed, args.steps, args.root, max(widths), widths))
-        print(f"# matryoshka seed {seed}: {results['matryoshka'][-1]}", file=sys.stderr, flush=True)
+    if args.merge:
+        for path in args.merge:
+            for line in open(path):
+                m = re.match(r"^# (matryoshka|fixed \d+) seed (\d+): (\{.*\})$", line.strip())
+                if m:
+                    results[m.group(1)].append(ast.literal_eval(m.group(3)))
+    chosen = ["matryoshka", *[str(d) for d in widths]] if args.runs is None else args.runs
+    for seed in [] if args.merge else args.seeds:
+        if "matryoshka" in chosen:
+            results["matryoshka"].append(run(seed, args.steps, args.root, max(widths), widths))
+            print(f"# matryoshka seed {seed}: {results['matryoshka'][-1]}", file=sys.stderr, flush=True)
         for d in widths:
-            results[f"fixed {d}"].append(run(seed, args.steps, args.root, d, None))
-            print(f"# fixed {d} seed {seed}: {results[f'fixed {d}'][-1]}", file=sys.stderr, flush=True)
+            if str(d) in chosen:
+                results[f"fixed {d}"].append(run(seed, args.steps, args.root, d, None))
+                print(f"# fixed {d} seed {seed}: {results[f'fixed {d}'][-1]}", file=sys.stderr, flush=True)
+    if any(not runs for runs in results.values()):
+        return ""  # a part of the runs (--runs): the table comes from --merge of the logs
     text = table(widths, results)
     print(text)
     if args.out:

@@ -162,5 +162,7 @@ class Manifest:
         if manifest.metric not in ("cosine", "euclidean"):
             raise IndexFolderError(f"{path}: metric {manifest.metric!r}, expected 'cosine' or 'euclidean'")
         if manifest.width is not None and manifest.width != manifest.embedding_dim:
-            raise IndexFolderError(f"{path}: width {manifest.width!r} differs from embedding_dim {manifest.embedding_dim}")
+            raise IndexFolderError(
+                f"{path}: width {manifest.width!r} differs from embedding_dim {manifest.embedding_dim}"
+            )
         return manifest

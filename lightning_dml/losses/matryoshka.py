@@ -78,7 +78,9 @@ class MatryoshkaLoss(nn.Module):
                 raise ValueError(f"{where} cannot wrap itself: name the loss to apply at every width")
             loss = build_loss(loss)
         if not isinstance(loss, nn.Module):
-            raise ValueError(f"{where} wraps a pair loss (a PairLoss of lightning_dml.losses), got {type(loss).__name__}")
+            raise ValueError(
+                f"{where} wraps a pair loss (a PairLoss of lightning_dml.losses), got {type(loss).__name__}"
+            )
         if getattr(loss, "has_parameters", False) or getattr(loss, "needs_num_classes", False) or any(
             True for _ in loss.parameters()
         ):
@@ -134,7 +136,8 @@ class MatryoshkaLoss(nn.Module):
             indices_tuple, ref_embeddings, ref_labels = ref_embeddings, ref_labels, indices_tuple  # type: ignore
         check_embeddings(embeddings, "embeddings", where="MatryoshkaLoss")
         widths = self.widths_for(embeddings.shape[1])
-        if isinstance(ref_embeddings, Tensor) and ref_embeddings.ndim == 2 and ref_embeddings.shape[1] != embeddings.shape[1]:
+        ref_dim = ref_embeddings.shape[1] if isinstance(ref_embeddings, Tensor) and ref_embeddings.ndim == 2 else None
+        if ref_dim is not None and ref_dim != embeddings.shape[1]:
             raise ValueError(
                 f"MatryoshkaLoss: ref_embeddings have dim {ref_embeddings.shape[1]} but embeddings have dim "
                 f"{embeddings.shape[1]}"

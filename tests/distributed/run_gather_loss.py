@@ -71,7 +71,8 @@ def _variants() -> dict[str, tuple[str, dict]]:
     )
     cases["cross_batch_memory"] = ("cross_batch_memory", {"embedding_size": DIM, "memory_size": 20})
     # nested widths (issue 31): a "references" and a "global_batch" wrapped loss (the default matryoshka: MS)
-    cases["matryoshka_triplet_weighted"] = ("matryoshka", {"loss": "triplet", "widths": [2, 4, 8], "weights": [0.5, 1, 2]})
+    cases["matryoshka_triplet_weighted"] = ("matryoshka", {"loss": "triplet", "widths": [2, 4, 8],
+                                                           "weights": [0.5, 1, 2]})
     cases["matryoshka_lifted_structure"] = ("matryoshka", {"loss": "lifted_structure", "widths": [3, 8]})
     from lightning_dml.losses.reducers import ThresholdReducer  # pml reducers of the per-anchor terms
 
