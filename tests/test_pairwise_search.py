@@ -223,8 +223,8 @@ def test_an_images_reranker_reads_the_query_and_the_gallery_images(setup, monkey
         loop = [r["id"] for _, _, r in sorted(((d, j, r) for j, (d, r) in enumerate(zip(dist, top))),
                                               key=lambda t: (t[0], t[1]))]
         assert [r["id"] for r in searched[q]] == loop + [r["id"] for r in results[6:]]
-    with pytest.raises(RerankOptionError, match="compares images, and these queries are embeddings"):
-        parse_rerank(spec).check_index(index, queries_are_images=False)  # index evaluate --queries FILE.pt
+    with pytest.raises(RerankOptionError, match="compares images, and index evaluate --queries hands over"):
+        parse_rerank(spec).check_index(index, queries_are_images=False)  # index evaluate --queries
 
 
 def test_serve_bounds_the_pairwise_work_and_serves_its_own_folder_only(setup, tmp_path):

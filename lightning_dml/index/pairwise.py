@@ -28,8 +28,8 @@ Refused in one line (:class:`~lightning_dml.index.rerank.RerankOptionError` or t
 :class:`~lightning_dml.errors.UserInputError`): a missing or broken folder, ``top_n`` outside ``1..MAX_TOP_N``,
 a re-ranker trained on another base checkpoint than the index's (or the tested one's) sha256, an embeddings
 re-ranker of another embedding size, an images re-ranker on an index without an exported model or image files
-(built from tensors), and (``index evaluate``) an images re-ranker with ``--queries`` (the query images are not
-kept: evaluate it leave-one-out, or with ``lightning-dml test``).
+(built from tensors), and (``index evaluate``) an images re-ranker with ``--queries`` (the evaluation is handed
+the queries' embeddings, not their images: evaluate it leave-one-out, or with ``lightning-dml test``).
 
 ``index evaluate`` (:func:`pairwise_metrics`) and ``lightning-dml test --rerank``
 (:class:`~lightning_dml.callbacks.pairwise_test.PairwiseRerankTest`) take the exact engine's ranked lists
@@ -212,9 +212,9 @@ class PairwiseRerank(Reranker):
                 raise RerankOptionError(f"--rerank pairwise: model={self.model} takes images preprocessed as {theirs}, "
                                         f"the index's model as {mine}: the candidates' pixels would not be its input")
             if not queries_are_images:
-                raise RerankOptionError(f"--rerank pairwise: model={self.model} compares images, and these queries "
-                                        "are embeddings without their images (index evaluate --queries FILE.pt): "
-                                        "evaluate it leave-one-out (no --queries) or with lightning-dml test --rerank")
+                raise RerankOptionError(f"--rerank pairwise: model={self.model} compares images, and index evaluate "
+                                        "--queries hands over the queries' embeddings, not their images: evaluate it "
+                                        "leave-one-out (no --queries) or with lightning-dml test --rerank")
         else:
             raise RerankOptionError(f"--rerank pairwise: model={self.model} has inputs {model.inputs!r}; expected "
                                     "'images' or 'embeddings'")
