@@ -98,7 +98,8 @@ def run_config_cli(cfg: dict[str, Any]) -> Any:
 def load_run_model(config: str | os.PathLike, ckpt_path: str | os.PathLike) -> tuple[Any, Any, dict | None]:
     """``(module, datamodule, checkpoint record)``: the model of run config ``config`` (in eval mode) with the
     weights of ``ckpt_path`` (a file or an http(s) URL), and its data module with the backbone's input spec
-    adopted (not set up: no dataset is read)."""
+    adopted (not set up: no dataset is read). A LoRA adapter is merged into the weights
+    (:func:`~lightning_dml.models.adapters.merge_adapter`), so the module embeds exactly as its export."""
     from lightning_dml.checkpoints import (
         CheckpointMismatchError,
         checkpoint_record,
@@ -114,7 +115,7 @@ def load_run_model(config: str | os.PathLike, ckpt_path: str | os.PathLike) -> t
     hparams = checkpoint.get("hyper_parameters") or {}
     if hparams.get("loss_sizes"):
         module._apply_loss_sizes(hparams["loss_sizes"])  # noqa: SLF001 - the library's own module
-    from lightning_dml.models.adapters import restore_frozen_weights
+    from lightning_dml.models.adapters import merge_adapter, restore_frozen_weights
 
     restore_frozen_weights(module.backbone, checkpoint, f"--ckpt_path {ckpt_path}")  # an adapter-only checkpoint
     missing, unexpected = [], []
@@ -134,6 +135,7 @@ def load_run_model(config: str | os.PathLike, ckpt_path: str | os.PathLike) -> t
             f"{model_keys[:3]}, unexpected weights {unexpected[:3]}"
         )
     module.eval()
+    merge_adapter(module.backbone)  # LoRA folded into the weights, as the exported model an index folder holds
     datamodule = cli.datamodule
     datamodule.adopt_input_spec(module)
     return module, datamodule, checkpoint_record(ckpt_path)

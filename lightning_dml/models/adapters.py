@@ -239,16 +239,12 @@ def merge_adapter(backbone: nn.Module) -> nn.Module:
 def frozen_fingerprint(parameters: dict[str, nn.Parameter]) -> list[float]:
     """``[count, sum, sum of squares]`` of the frozen weights (float64): tells which base weights an adapter was
     trained on (another pretrained tag, random weights), without storing them."""
-    total = torch.zeros((), dtype=torch.float64)
-    squares = torch.zeros((), dtype=torch.float64)
-    count = 0
-    with torch.no_grad():
-        for p in parameters.values():
-            values = p.detach().double()
-            total = total + values.sum().cpu()
-            squares = squares + values.square().sum().cpu()
-            count += p.numel()
-    return [float(count), float(total), float(squares)]
+    if not parameters:
+        return [0.0, 0.0, 0.0]
+    with torch.no_grad():  # on the weights' device; two values copied back, once
+        total = torch.stack([p.detach().double().sum() for p in parameters.values()]).sum()
+        squares = torch.stack([p.detach().double().square().sum() for p in parameters.values()]).sum()
+    return [float(sum(p.numel() for p in parameters.values())), float(total), float(squares)]
 
 
 def drop_frozen_weights(backbone: nn.Module, checkpoint: dict[str, Any], prefix: str = "backbone.") -> None:
@@ -274,8 +270,8 @@ def restore_frozen_weights(
     """Before an adapter-only checkpoint loads: put the frozen weights of ``backbone`` as built (its pretrained
     weights) into ``checkpoint["state_dict"]``, after checking that the checkpoint was trained on the same frozen
     weights (:func:`frozen_fingerprint`: the sum of squares within 0.1 %, the sum within 1 % of the weights' norm,
-    so a bf16 copy of the same weights passes and other weights do not). A checkpoint holding the whole backbone (trained without adapter) is left as it is; the
-    weights check then names what does not fit."""
+    so a bf16 copy of the same weights passes and other weights do not). A checkpoint holding the whole backbone
+    (trained without adapter) is left as it is; the weights check then names what does not fit."""
     state = checkpoint.get("state_dict")
     frozen = adapter_frozen_parameters(backbone)
     if not frozen or state is None or all(prefix + name in state for name in frozen):
