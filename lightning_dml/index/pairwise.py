@@ -191,7 +191,7 @@ class PairwiseRerank(Reranker):
     def check_index(self, index: Any, *, queries_are_images: bool = True) -> Any:
         """Loads the re-ranker and refuses, in one line, one that cannot re-rank ``index``'s results (module
         docstring); returns the loaded model."""
-        model = self.load(getattr(index, "device", "cpu"))
+        model = self.load(index_device(index))
         check_base(model, index.manifest.checkpoint_sha256, f"the index {index.folder or ''}".rstrip(), self.model)
         if model.inputs == "embeddings":
             dim = _embedding_dim(model)
@@ -256,6 +256,13 @@ class PairwiseRerank(Reranker):
         logits = score_pairs(model, q_in, fn, ids[:, :n])
         scores, ids, _ = rerank_top_n(scores, ids, logits)
         return scores[:, :k], ids[:, :k]
+
+
+def index_device(index: Any) -> torch.device:
+    """Where the re-ranker of ``index`` runs: where the index's model does (``search --device cpu|cuda|auto``: a GPU
+    when the index was loaded for one and torch sees one, as :attr:`~lightning_dml.index.EmbeddingIndex.embedder`)."""
+    device = str(getattr(index, "device", "cpu"))
+    return torch.device("cuda" if device != "cpu" and torch.cuda.is_available() else "cpu")
 
 
 def _embedding_dim(model: Any) -> int | None:
@@ -393,7 +400,7 @@ def query_inputs(index: Any, rerank: str | None, images: Sequence[Any]) -> Tenso
     from lightning_dml.index.rerank import parse_rerank
 
     reranker = parse_rerank(rerank)
-    if not isinstance(reranker, PairwiseRerank) or reranker.load(getattr(index, "device", "cpu")).inputs != "images":
+    if not isinstance(reranker, PairwiseRerank) or reranker.load(index_device(index)).inputs != "images":
         return None
     from lightning_dml.data.image_list import load_image
 
