@@ -168,7 +168,7 @@ def test_acceptance_served_match_flags_agree_with_exact_scores(calibrated, serve
     assert int((np.abs(neg - theta) <= 1e-12).sum()) >= 2  # the copy: the threshold's score is tied
     flags, near = [], 0
     gallery = index_dir.parent / "gallery"
-    for query in sorted(gallery.rglob("*.png"))[::2]:
+    for query in sorted(gallery.rglob("*.png"))[::3]:
         status, answer = _request(server, "POST", "/search?k=15", query.read_bytes(), "image/png")
         assert status == 200, answer
         with torch.no_grad():
@@ -221,6 +221,13 @@ def test_uncalibrated_index_and_bad_options_are_one_line(calibrated, index_dir, 
     EmbeddingIndex.build(torch.randn(6, 16)).save(plain)
     line = _one_error(["search", "--index", str(plain), "--matches_only", str(index_dir.parent / "gallery")])
     assert "--matches_only" in line and "no calibrated threshold" in line
+    line = _one_error(["serve", "--index", str(plain), "--matches_only"])  # before any server starts
+    assert "--matches_only" in line and "no calibrated threshold" in line
+    # index add keeps the calibration (the same model), a save of the loaded index too
+    index = EmbeddingIndex.load(index_dir)
+    index.add(torch.randn(2, 16))
+    index.save(tmp_path / "added")
+    assert EmbeddingIndex.load(tmp_path / "added").manifest.calibration == calibrated["manifest"]["calibration"]
     line = _one_error(["index", "calibrate", "--index", str(index_dir), "--labelled", str(calibrated["labelled"]),
                        "--fmr", "1.5"])
     assert "--fmr '1.5' must be a number in (0, 1)" in line
