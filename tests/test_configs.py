@@ -90,10 +90,11 @@ def _load(name: str) -> dict:
 def test_every_config_exists():
     # the timm (vit_*) recipes are tested in tests/test_timm.py, configs/protocol/ (the worked comparison's budget,
     # overlay and search spaces) in tests/test_protocol_comparison.py, configs/rerank/ (pairwise re-rankers, not
-    # paper recipes) in tests/test_pairwise_reranker.py
+    # paper recipes) in tests/test_pairwise_reranker.py, the LoRA variants of the timm recipes (vits16_*) in
+    # tests/test_adapters.py
     found = sorted(
         str(p.relative_to(CONFIG_DIR)) for p in CONFIG_DIR.glob("*/*.yaml")
-        if not p.stem.startswith("vit_") and p.parent.name not in ("protocol", "rerank")
+        if not p.stem.startswith(("vit_", "vits16_")) and p.parent.name not in ("protocol", "rerank")
     )
     assert sorted(CONFIGS) == found
 
