@@ -214,6 +214,39 @@ def test_search_marks_matches_and_refuses_another_checkpoints_threshold(calibrat
         assert "calibrated with checkpoint sha256 000000" in line and "another model" in line
 
 
+def test_calibrate_from_a_predictions_file_equals_the_images(calibrated, index_dir, tmp_path):  # noqa: F811
+    """--labelled predictions.pt (embeddings of the index's checkpoint) gives the threshold the images give; a
+    file of another checkpoint, or without one, is refused in one line."""
+    from lightning_dml.index import EmbeddingIndex
+    from lightning_dml.index.gallery import read_items
+
+    index = EmbeddingIndex.load(index_dir)
+    items = read_items(calibrated["labelled"])
+    with torch.no_grad():
+        x = index.embed_images(items.paths)
+    names = sorted(set(items.labels))
+    data = {"embeddings": x, "labels": torch.tensor([names.index(v) for v in items.labels]),
+            "indices": torch.arange(len(items)), "paths": [str(p) for p in items.paths],
+            "checkpoint": {"sha256": index.manifest.checkpoint_sha256}}
+    torch.save(data, tmp_path / "predictions.pt")
+    copy = tmp_path / "index"
+    shutil.copytree(index_dir, copy)
+    code, _, err = _main_capture(["index", "calibrate", "--index", str(copy), "--labelled",
+                                  str(tmp_path / "predictions.pt"), "--fmr", "0.01"])
+    cal = json.loads((copy / "manifest.json").read_text())["calibration"]
+    want = calibrated["manifest"]["calibration"]
+    assert code == 0, err
+    assert cal["threshold"] == pytest.approx(want["threshold"], abs=1e-6)
+    assert (cal["fmr"], cal["fnmr"], cal["positives"], cal["negatives"]) == (
+        want["fmr"], want["fnmr"], want["positives"], want["negatives"])
+    assert len(cal["labelled"]["sha256"]) == 64 and cal["labelled"]["items"] == len(items)
+    for checkpoint, message in (({"sha256": "f" * 64}, "checkpoint sha256 ffff"), (None, "records no checkpoint")):
+        torch.save({**data, "checkpoint": checkpoint}, tmp_path / "other.pt")
+        line = _one_error(["index", "calibrate", "--index", str(copy), "--labelled", str(tmp_path / "other.pt"),
+                           "--fmr", "0.01"])
+        assert message in line
+
+
 def test_uncalibrated_index_and_bad_options_are_one_line(calibrated, index_dir, tmp_path):  # noqa: F811
     from lightning_dml.index import EmbeddingIndex
 
