@@ -18,12 +18,12 @@ import pytest
 import torch
 
 pytest.importorskip("pymilvus", reason="the Milvus store needs pymilvus: pip install 'lightning-dml[milvus]'")
-pytest.importorskip("milvus_lite", reason="Milvus Lite (a .db URI) needs milvus-lite: pip install 'lightning-dml[milvus]'")
+pytest.importorskip("milvus_lite", reason="a .db URI needs milvus-lite: pip install 'lightning-dml[milvus]'")
 
 from lightning_dml.checkpoints import checkpoint_record  # noqa: E402
 from lightning_dml.index import EmbeddingIndex, IndexTable  # noqa: E402
 from lightning_dml.index.index import MODEL  # noqa: E402
-from lightning_dml.index.manifest import IndexMismatchError  # noqa: E402
+from lightning_dml.index.manifest import IndexFolderError, IndexMismatchError  # noqa: E402
 from lightning_dml.index.milvus import MilvusIndex, MilvusStoreError  # noqa: E402
 from lightning_dml.metrics import functional as MF  # noqa: E402
 from tests.test_index_cli import QUIET, _checkpoint, _main_capture, _one_error, _write_gallery  # noqa: E402
@@ -137,6 +137,11 @@ def test_another_models_queries_are_refused(db):
     assert milvus.search(queries, 3, checkpoint_sha256="a" * 64)[1].shape == (len(queries), 3)
     with pytest.raises(MilvusStoreError, match="exists; .*--overwrite"):
         MilvusIndex.build(x, table, "cosine", uri=db, collection="identity")
+    # rebuilt under the same name (another model's vectors): the name moves, the gallery opened before refuses
+    rebuilt = MilvusIndex.build(x[:, :8], None, "cosine", uri=db, collection="identity", replace=True)
+    with pytest.raises(IndexFolderError, match="was rebuilt .* open it again"):
+        milvus.search(queries, 3)
+    assert MilvusIndex.open(db, "identity").dim == 8 and len(rebuilt) == len(x)
     milvus.close()
 
 

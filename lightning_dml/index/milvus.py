@@ -23,7 +23,10 @@ What is stored where:
 
 The name given (``--index``) is a Milvus alias of a collection ``<name>__<uid>``: ``build`` fills a new collection
 and then points the alias at it (``alter_alias``) and drops the old one, so a build stopped at any point leaves the
-old gallery whole (its left-over half-built collection ``<name>__<uid>`` holds no alias and can be dropped).
+old gallery whole (its left-over half-built collection ``<name>__<uid>`` holds no alias and can be dropped). An
+index opened before a rebuild (a running ``serve``) keeps the collection it opened, and once that is dropped refuses
+to search in one :class:`~lightning_dml.index.manifest.IndexFolderError` (its model need not be the new vectors'):
+open it again.
 ``add`` reserves its ids in the manifest (``next_id``) before it inserts, so ids are never reused; an ``add``
 stopped midway leaves the rows inserted so far (each whole), and ``lightning-dml index add`` run again adds the
 rest. Milvus Lite opens a ``.db`` in one process at a time (another process: one
@@ -201,14 +204,15 @@ class MilvusIndex:
     kind = "flat"
 
     def __init__(self, client: Any, uri: str, collection: str, manifest: Manifest, model_sha256: str | None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", name: str | None = None) -> None:
         self.client = client
         self.uri = str(uri)
-        self.collection = collection
+        self.collection = collection  # the collection behind the name when it was opened (<name>__<uid>)
+        self.name = name or collection
         self.manifest = manifest
         self.model_sha256 = model_sha256
         self.device = device
-        self.folder = f"{self.uri}#{collection}"
+        self.folder = f"{self.uri}#{self.name}"
         self._embedder: Any = None
         self._all: tuple[IndexTable, np.ndarray] | None = None
 
@@ -224,12 +228,14 @@ class MilvusIndex:
             names = sorted(a for a in _call("listing aliases", client.list_aliases).get("aliases", []))
             raise MilvusStoreError(f"{where} does not exist (galleries there: {', '.join(names) or 'none'}; "
                                    "lightning-dml index build --store milvus writes one)")
-        props = _call(f"reading {where}", client.describe_collection, collection).get("properties", {})
+        # the collection the name points at now: a rebuild moves the name and drops it (then refused, below)
+        physical = _call(f"reading {where}", client.describe_alias, collection)["collection_name"]
+        props = _call(f"reading {where}", client.describe_collection, physical).get("properties", {})
         manifest = _parse_manifest(props.get(MANIFEST_PROPERTY), where)
-        _call(f"loading {where}", client.load_collection, collection)  # searchable (Milvus loads on demand)
+        _call(f"loading {where}", client.load_collection, physical)  # searchable (Milvus loads on demand)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        return cls(client, uri, collection, manifest, props.get(MODEL_SHA_PROPERTY), device=device)
+        return cls(client, uri, physical, manifest, props.get(MODEL_SHA_PROPERTY), device=device, name=collection)
 
     @classmethod
     def check_name_free(cls, client: Any, uri: str, collection: str, replace: bool) -> bool:
@@ -247,6 +253,18 @@ class MilvusIndex:
     @staticmethod
     def _has(client: Any, collection: str) -> bool:
         return collection in _call("listing aliases", client.list_aliases).get("aliases", [])
+
+    def _run(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """:func:`_call` on this gallery's collection; a collection dropped since it was opened (the name rebuilt
+        with ``--overwrite``) is one :class:`~lightning_dml.index.manifest.IndexFolderError` saying so."""
+        try:
+            return _call(what, fn, *args, **kwargs)
+        except MilvusStoreError:
+            if self.collection not in _call("listing collections", self.client.list_collections):
+                raise IndexFolderError(
+                    f"gallery {self.folder} was rebuilt (lightning-dml index build --overwrite) since it was opened: "
+                    "its model need not be the one of the new vectors; open it again") from None
+            raise
 
     def close(self) -> None:
         """Close the connection (and a Milvus Lite database, so that another process can open it)."""
@@ -316,7 +334,7 @@ class MilvusIndex:
 
             model_sha = file_sha256(target)
         _create(client, physical, d, metric, meta, model_sha)
-        index = cls(client, uri, physical, meta, model_sha, device=device)
+        index = cls(client, uri, physical, meta, model_sha, device=device, name=collection)
         index._insert(vectors, table)
         # the name moves to the complete collection at once; the old one (and its model) goes after
         if old is None:
@@ -326,8 +344,6 @@ class MilvusIndex:
             old_props = _call(f"reading {old}", client.describe_collection, old).get("properties", {})
             _call(f"dropping {old}", client.drop_collection, old)
             _drop_model(old_props.get(MANIFEST_PROPERTY), old)
-        index.collection = collection
-        index.folder = f"{uri}#{collection}"
         return index
 
     def _insert(self, vectors: np.ndarray, table: IndexTable) -> None:
@@ -340,8 +356,9 @@ class MilvusIndex:
                                            "bytes (Milvus's VARCHAR limit)")
                 size, mtime = table.sizes[r], table.mtimes[r]
                 rows.append({"id": int(table.ids[r]), "vector": vectors[r].tolist(), "path": path, "label": label,
-                             "size": -1 if size is None else int(size), "mtime_ns": -1 if mtime is None else int(mtime)})
-            _call(f"inserting into {self.folder}", self.client.insert, self.collection, rows)
+                             "size": -1 if size is None else int(size),
+                             "mtime_ns": -1 if mtime is None else int(mtime)})
+            self._run(f"inserting into {self.folder}", self.client.insert, self.collection, rows)
         self._all = None
 
     # --------------------------------------------------------------------------------------------- properties
@@ -364,19 +381,20 @@ class MilvusIndex:
         return len(self) * (4 * self.dim + 8)
 
     def __len__(self) -> int:
-        found = _call(f"counting {self.folder}", self.client.query, self.collection, filter="",
-                      output_fields=["count(*)"])
+        found = self._run(f"counting {self.folder}", self.client.query, self.collection, filter="",
+                          output_fields=["count(*)"])
         return int(found[0]["count(*)"])
 
     def __repr__(self) -> str:
-        return (f"MilvusIndex(uri={self.uri!r}, collection={self.collection!r}, metric={self.metric!r}, "
+        return (f"MilvusIndex(uri={self.uri!r}, collection={self.name!r}, metric={self.metric!r}, "
                 f"dim={self.dim}, items={len(self)})")
 
     def _load_all(self) -> tuple[IndexTable, np.ndarray]:
         """Every row (table and vectors) in id order, read once until the next change through this object."""
         if self._all is None:
-            it = _call(f"reading {self.folder}", self.client.query_iterator, self.collection, batch_size=BATCH_ROWS,
-                       filter="id >= 0", output_fields=["id", "vector", "path", "label", "size", "mtime_ns"])
+            it = self._run(f"reading {self.folder}", self.client.query_iterator, self.collection,
+                           batch_size=BATCH_ROWS, filter="id >= 0",
+                           output_fields=["id", "vector", "path", "label", "size", "mtime_ns"])
             rows: list[dict] = []
             while True:
                 batch = _call(f"reading {self.folder}", it.next)
@@ -466,9 +484,9 @@ class MilvusIndex:
         ids = torch.full((x.shape[0], k), -1, dtype=torch.long)
         params = {"metric_type": "IP" if self.metric == "cosine" else "L2"}
         for start in range(0, x.shape[0], BATCH_ROWS):
-            found = _call(f"searching {self.folder}", self.client.search, self.collection,
-                          data=x[start : start + BATCH_ROWS].tolist(), limit=k, anns_field="vector",
-                          search_params=params, output_fields=["id"])
+            found = self._run(f"searching {self.folder}", self.client.search, self.collection,
+                              data=x[start : start + BATCH_ROWS].tolist(), limit=k, anns_field="vector",
+                              search_params=params, output_fields=["id"])
             for q, hits in enumerate(found, start=start):
                 for j, hit in enumerate(list(hits)[:k]):
                     distance = float(hit["distance"])
@@ -480,8 +498,8 @@ class MilvusIndex:
         out: dict[int, dict] = {}
         for start in range(0, ids.size, BATCH_ROWS):
             part = [int(i) for i in ids[start : start + BATCH_ROWS].tolist()]
-            for row in _call(f"reading {self.folder}", self.client.get, self.collection, ids=part,
-                             output_fields=fields):
+            for row in self._run(f"reading {self.folder}", self.client.get, self.collection, ids=part,
+                                 output_fields=fields):
                 out[int(row["id"])] = row
         return out
 
@@ -546,14 +564,15 @@ class MilvusIndex:
 
     # --------------------------------------------------------------------------------------------- changes
     def _read_manifest(self) -> Manifest:
-        props = _call(f"reading {self.folder}", self.client.describe_collection, self.collection).get("properties", {})
+        props = self._run(f"reading {self.folder}", self.client.describe_collection,
+                          self.collection).get("properties", {})
         return _parse_manifest(props.get(MANIFEST_PROPERTY), f"Milvus collection {self.folder}")
 
     def write_manifest(self) -> None:
         """Store :attr:`manifest` in the collection's properties (``count`` as it is now)."""
         self.manifest.count = len(self)
-        _call(f"writing the manifest of {self.folder}", self.client.alter_collection_properties, self.collection,
-              properties={MANIFEST_PROPERTY: self.manifest.to_json()})
+        self._run(f"writing the manifest of {self.folder}", self.client.alter_collection_properties,
+                  self.collection, properties={MANIFEST_PROPERTY: self.manifest.to_json()})
 
     def add(self, embeddings: Tensor | np.ndarray, paths: Sequence[str] | None = None,
             labels: Sequence[str] | None = None, *, checkpoint_sha256: str | None = None) -> Tensor:
@@ -591,8 +610,8 @@ class MilvusIndex:
         if missing:
             raise KeyError(f"ids not in the index: {missing[:5]}")
         for start in range(0, wanted.size, BATCH_ROWS):
-            _call(f"deleting from {self.folder}", self.client.delete, self.collection,
-                  ids=[int(i) for i in wanted[start : start + BATCH_ROWS].tolist()])
+            self._run(f"deleting from {self.folder}", self.client.delete, self.collection,
+                      ids=[int(i) for i in wanted[start : start + BATCH_ROWS].tolist()])
         self._all = None
         self.manifest.count = len(self)
         return int(wanted.size)
