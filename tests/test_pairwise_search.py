@@ -76,8 +76,8 @@ def setup(tmp_path_factory) -> dict:
             "rr_other": root / "rr_other"}
 
 
-def _search(setup: dict, rerank: str | None, k: int = 20) -> dict[str, list[dict]]:
-    args = ["search", "--index", str(setup["flat"]), "--k", str(k), str(setup["root"] / "queries")]
+def _search(setup: dict, rerank: str | None, k: int = 20, *options: str) -> dict[str, list[dict]]:
+    args = ["search", "--index", str(setup["flat"]), "--k", str(k), *options, str(setup["root"] / "queries")]
     code, out, err = _main_capture(args + (["--rerank", rerank] if rerank else []))
     assert code == 0, err[-3000:]
     return {row["query"]: row["results"] for row in map(json.loads, out.splitlines())}
@@ -164,7 +164,8 @@ def test_a_training_free_reranker_first_then_pairwise(setup):
     chained = parse_rerank(spec)
     assert isinstance(chained, P.PairwiseRerank) and chained.first == parse_rerank("aqe:alpha=3,n=2")
     assert parse_rerank(chained.spec()) == chained
-    combined, expanded = _search(setup, spec), _search(setup, "aqe:alpha=3,n=2")
+    # --device cuda: the index and its model fall back to the CPU without a GPU, and so does the re-ranker
+    combined, expanded = _search(setup, spec, 20, "--device", "cuda"), _search(setup, "aqe:alpha=3,n=2")
     for q in expanded:  # the pairwise re-ranker re-orders aqe's top_n and keeps the rest
         assert [r["id"] for r in combined[q][TOP_N:]] == [r["id"] for r in expanded[q][TOP_N:]]
         assert sorted(r["id"] for r in combined[q][:TOP_N]) == sorted(r["id"] for r in expanded[q][:TOP_N])
