@@ -16,7 +16,7 @@ base order below them, as STIR re-ranks the top-n only and OML's ``PairwiseReran
 
 Reported scores: the re-scored items carry their logit; the items beyond ``top_n`` carry their base score shifted
 by one per-query constant so that the first of them is 1 below the smallest logit (their gaps, hence an adaptive
-cut among them, are kept; a ``--threshold`` then reads as a logit: 0 is a probability of 1/2).
+cut among them, are kept; on the re-scored results a ``--threshold`` reads as a logit: 0 is a probability of 1/2).
 
 Syntax and order (:func:`parse_chain`): ``pairwise:model=DIR,top_n=N`` alone, or after one training-free re-ranker
 joined by ``+``, e.g. ``aqe:alpha=3,n=2+pairwise:model=DIR,top_n=20``: the training-free re-ranker gives the base
@@ -28,7 +28,7 @@ Refused in one line (:class:`~lightning_dml.index.rerank.RerankOptionError` or t
 :class:`~lightning_dml.errors.UserInputError`): a missing or broken folder, ``top_n`` outside ``1..MAX_TOP_N``,
 a re-ranker trained on another base checkpoint than the index's (or the tested one's) sha256, an embeddings
 re-ranker of another embedding size, an images re-ranker on an index without an exported model or image files
-(built from tensors), and (``index evaluate``) an images re-ranker with ``--queries`` (the evaluation is handed
+(built from tensors) or of another input spec than the index's model, and (``index evaluate``) an images re-ranker with ``--queries`` (the evaluation is handed
 the queries' embeddings, not their images: evaluate it leave-one-out, or with ``lightning-dml test``).
 
 ``index evaluate`` (:func:`pairwise_metrics`) and ``lightning-dml test --rerank``
@@ -56,13 +56,19 @@ __all__ = [
     "MAX_TOP_N",
     "PAIR_BLOCK",
     "PairwiseRerank",
+    "base_sha256",
     "candidate_images",
+    "check_base",
+    "index_device",
     "load_pairwise_model",
     "pairwise_metrics",
     "parse_chain",
+    "permuted_metrics",
+    "query_inputs",
     "rerank_ranked",
     "rerank_top_n",
     "score_pairs",
+    "search_index",
 ]
 
 #: the largest ``top_n`` of ``--rerank pairwise`` (``serve`` caps it lower, ``server.MAX_PAIRWISE_TOP_N``)
