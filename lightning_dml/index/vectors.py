@@ -18,12 +18,12 @@ The index keeps, in memory, codes instead of the float32 vectors and scans all o
   retrieval of Yamada et al. (*Efficient Passage Retrieval with Hashing for Open-domain Question Answering*, ACL
   2021), the codes find candidates and the float vectors re-score them.
 
-``rescore = N`` (:func:`rescore`): the index's best ``max(N, k)`` candidates of a query (by code score, then the
-smaller id, as :meth:`~lightning_dml.index.EmbeddingIndex.search` orders every result) are scored again exactly, in float64, with the
-full-precision vectors of the folder's ``embeddings.npy`` (float32, memory-mapped, ``np.load(mmap_mode="r")``:
-only the candidates' rows are read from disk), and the best ``k`` by that exact score, then the smaller id, are
-the result. With ``N`` at least the gallery size the result is the exact engine's
-(:func:`lightning_dml.metrics.functional.knn`: float64 scores, ties by the smaller id).
+``rescore = N`` (:func:`rescore`): the index's best ``max(N, k)`` candidates of a query (at most the gallery; by
+code score, then the smaller id, as :meth:`~lightning_dml.index.EmbeddingIndex.search` orders every result) are
+scored again exactly, in float64, with the full-precision vectors of the folder's ``embeddings.npy`` (float32,
+memory-mapped, ``np.load(mmap_mode="r")``: only the candidates' rows are read from disk), and the best ``k`` by
+that exact score, then the smaller id, are the result. With ``N`` at least the gallery size the result is the exact
+engine's (:func:`lightning_dml.metrics.functional.knn`: float64 scores, ties by the smaller id).
 
 The choice is stored in the manifest's ``options`` (``{"vectors": "binary", "rescore": 100}``; absent for float32),
 so ``search``, ``serve`` and ``index evaluate`` use it unchanged.
