@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -143,6 +144,20 @@ def test_another_models_queries_are_refused(db):
         milvus.search(queries, 3)
     assert MilvusIndex.open(db, "identity").dim == 8 and len(rebuilt) == len(x)
     milvus.close()
+
+
+def test_a_rebuild_replaces_the_model_folder_and_nothing_else(db, tmp_path):
+    x, _, table = _data(seed=4, n=10)
+    (tmp_path / "model.safetensors").write_bytes(b"weights")  # copied and hashed, not loaded, by build
+    (tmp_path / "models" / "keep").mkdir(parents=True)
+    first = MilvusIndex.build(x, table, "cosine", uri=db, collection="models",
+                              model_file=tmp_path / "model.safetensors", model_dir=tmp_path / "models")
+    second = MilvusIndex.build(x, table, "cosine", uri=db, collection="models", replace=True,
+                               model_file=tmp_path / "model.safetensors", model_dir=tmp_path / "models")
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == sorted(["keep", second.collection])
+    assert second.manifest.model == str(tmp_path / "models" / second.collection / MODEL) != first.manifest.model
+    assert second.model_sha256 == hashlib.sha256(b"weights").hexdigest()
+    second.close()
 
 
 @pytest.fixture(scope="module")

@@ -343,7 +343,8 @@ class MilvusIndex:
             _call(f"moving {collection} to {physical}", client.alter_alias, physical, collection)
             old_props = _call(f"reading {old}", client.describe_collection, old).get("properties", {})
             _call(f"dropping {old}", client.drop_collection, old)
-            _drop_model(old_props.get(MANIFEST_PROPERTY), old)
+            if model_dir is not None:
+                _drop_model(old_props.get(MANIFEST_PROPERTY), old, Path(model_dir).expanduser().absolute())
         return index
 
     def _insert(self, vectors: np.ndarray, table: IndexTable) -> None:
@@ -663,14 +664,15 @@ def _copy_atomic(source: Path, target: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _drop_model(manifest_json: str | None, collection: str) -> None:
-    """Delete the model folder of a dropped collection (``<model_dir>/<collection>/``), nothing else."""
+def _drop_model(manifest_json: str | None, collection: str, model_root: Path) -> None:
+    """Delete the model folder of a dropped collection when it is ``model_root/<collection>/`` (this build's
+    ``model_dir``), nothing else: the old manifest's path comes from the store and is not trusted to name a folder."""
     try:
         model = json.loads(manifest_json or "{}").get("model")
     except (json.JSONDecodeError, AttributeError):
         return
-    if model and Path(model).parent.name == collection:
-        shutil.rmtree(Path(model).parent, ignore_errors=True)
+    if isinstance(model, str) and Path(model).parent == model_root / collection:
+        shutil.rmtree(model_root / collection, ignore_errors=True)
 
 
 def build_milvus_index(
