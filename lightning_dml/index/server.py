@@ -832,6 +832,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     metric = index.metric
     if rerank is not None:
         rerank.check_metric(metric)
+        if hasattr(rerank, "check_index"):  # pairwise: its folder, base checkpoint and inputs, before serving
+            rerank.check_index(index)
     from lightning_dml.index.calibrate import CalibrationError, check_calibration
 
     calibrated = check_calibration(index.manifest, args.index) is not None  # another checkpoint's: refused here
@@ -847,13 +849,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     del index
     server = build_server(
         args.index, k=args.k, rerank=None if rerank is None else rerank.spec(), threshold=cut.threshold,
-        if hasattr(rerank, "check_index"):  # pairwise: its folder, base checkpoint and inputs, before serving
-            rerank.check_index(index)
         adaptive=cut.adaptive, max_batch_size=args.max_batch_size, batch_timeout=args.batch_timeout,
         limits=limits, accelerator=args.accelerator,
         workers_per_device=args.workers_per_device, timeout=args.timeout, metric=metric,
-        matches_only=args.matches_only, calibrated=calibrated, runtime=args.runtime,
         store=args.store, uri=args.uri,
+        matches_only=args.matches_only, calibrated=calibrated, runtime=args.runtime,
     )
     print(f"lightning-dml serve: {args.index} on http://{args.host}:{args.port} (POST /search, GET /health)",
           file=sys.stderr, flush=True)
