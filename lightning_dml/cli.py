@@ -438,6 +438,7 @@ class DMLCLI(LightningCLI):
     def before_test(self) -> None:
         self._warn_without_checkpoint("test")
         self._one_metrics_table("test")
+        ckpt_path = self.config_init["test"].get("ckpt_path")
         for callback in self.trainer.callbacks:  # --rerank: its folder and base checkpoint before the model runs
             if isinstance(callback, PairwiseRerankTest) and (ckpt_path is None or os.path.isfile(ckpt_path)):
                 callback.check_checkpoint(ckpt_path)  # else (last, hpc) when Lightning has resolved it
