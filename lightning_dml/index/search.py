@@ -139,6 +139,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                                "index calibrate)")
     if reranker is not None:
         reranker.check_metric(index.metric)
+        if hasattr(reranker, "check_index"):  # pairwise: its folder, base checkpoint and inputs, before any work
+            reranker.check_index(index)
     items = read_sources(args.queries, args.split)
     results = search_images(index, items.paths, args.k, args.rerank, cut, args.batch_size, args.matches_only)
     out = sys.stdout
@@ -146,8 +148,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name, found in zip(items.names, results):
             out.write(json.dumps({"query": name, "results": found}, ensure_ascii=False) + "\n")
     else:
-        if hasattr(reranker, "check_index"):  # pairwise: its folder, base checkpoint and inputs, before any work
-            reranker.check_index(index)
         writer = csv.writer(out, lineterminator="\n")
         marked = index.manifest.calibration is not None  # a calibrated index: a match column
         writer.writerow(["query", "rank", "id", "path", "label", "score"] + ["match"] * marked)
