@@ -106,23 +106,29 @@ def test_released_backbone_keeps_the_adapters_weights_frozen():
 # ------------------------------------------------------------------------------------------------ VPT
 def test_vpt_deep_is_the_papers_equation():
     """Jia et al. 2022 Sec. 3.2: [x_i, _, E_i] = L_i([x_{i-1}, P_{i-1}, E_{i-1}]), written out with the blocks of a
-    plain copy of the same weights; the head reads x_N after the final norm."""
-    prompted = _backbone("vpt", vpt_tokens=3).eval()
+    plain copy of the same weights (3 blocks, average pooling over the patch tokens, so prompt outputs left in the
+    sequence would show); forward and the three levels of forward_levels (each block's output through the final
+    norm) against it."""
+    three = {"pooling": "avg", "model_kwargs": {"depth": 3, "embed_dim": WIDTH, "num_heads": HEADS}}
+    prompted = _backbone("vpt", vpt_tokens=3, **three).eval()
     _randomise(prompted)
-    plain = _backbone().eval()
+    plain = _backbone(**three).eval()
     plain.load_state_dict({k: v for k, v in prompted.state_dict().items() if not k.startswith("vpt.")})
     images = _images()
     model = plain.model
     with torch.no_grad():
         patches = model.patch_embed(images)
         x = torch.cat([model.cls_token.expand(len(images), -1, -1), patches], dim=1) + model.pos_embed
+        want = []
         for i, block in enumerate(model.blocks):
             prompts = prompted.vpt.prompts[i].expand(len(images), -1, -1)
             out = block(torch.cat([x[:, :1], prompts, x[:, 1:]], dim=1))
             x = torch.cat([out[:, :1], out[:, 1 + prompts.shape[1]:]], dim=1)  # the prompts' outputs dropped
-        want = model.norm(x)[:, 0]
-        torch.testing.assert_close(prompted(images), want, rtol=1e-5, atol=1e-6)
-        assert not torch.allclose(plain(images), want, atol=1e-3)  # the prompts change the features
+            want.append(model.norm(x)[:, 1:].mean(dim=1))
+        torch.testing.assert_close(prompted(images), want[-1], rtol=1e-5, atol=1e-6)
+        for got, expected in zip(prompted.forward_levels(images), want, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(plain(images), want[-1], atol=1e-3)  # the prompts change the features
 
 
 # ------------------------------------------------------------------------------------------------ export
@@ -262,6 +268,17 @@ def test_glyphs_fit_with_lora_through_the_cli_then_export(weights_file, tmp_path
     assert backbone_keys and all(".lora_A." in k or ".lora_B." in k for k in backbone_keys)
     assert saved["lightning_dml"]["adapter"]["adapter"] == "lora"
 
+    from lightning_dml.models import TimmBackbone
+    from lightning_dml.module import DMLModule
+
+    # Lightning's own loading (on_load_checkpoint, then a strict load_state_dict): on the file's frozen weights
+    backbone = TimmBackbone(**config["model"]["backbone"]["init_args"])
+    restored = DMLModule.load_from_checkpoint(checkpoint, backbone=backbone, loss="multi_similarity",
+                                              weights_only=True).eval()
+    probe = _images(3)
+    with torch.no_grad():
+        torch.testing.assert_close(restored(probe), model.eval()(probe), rtol=0, atol=0)
+
     export_main(["--config", str(path), "--ckpt_path", str(checkpoint), "--output", str(tmp_path / "out")])
     exported = load_embedding_model(tmp_path / "out")
     reloaded, datamodule, _ = load_run_model(path, checkpoint)
@@ -303,3 +320,4 @@ def test_lora_config_is_the_vit_recipe_with_lora(dataset):
     recipe["model"]["backbone"]["init_args"].update(added)
     recipe["model"]["optimizer"]["init_args"]["lr"] = 1e-4
     assert lora == recipe
+
