@@ -71,3 +71,19 @@ def test_queries_of_another_width_and_bad_widths_are_one_line(built, tmp_path):
     assert not (tmp_path / "w32").exists()
     line = _one_error([*built["args"], "--out", str(tmp_path / "w0"), "--width", "0"])
     assert "--width must be >= 1" in line
+
+
+def test_index_add_cuts_the_new_images(built, tmp_path):
+    import shutil
+
+    folder = tmp_path / "w8"
+    shutil.copytree(built["index"], folder)
+    _write_gallery(tmp_path / "more", range(4, 5), seed=1, per_class=2)
+    code, out, err = _main_capture(["index", "add", "--index", str(folder), "--gallery", str(tmp_path / "more")])
+    assert code == 0, err[-3000:]
+    index = EmbeddingIndex.load(folder)
+    assert (len(index), index.dim) == (22, WIDTH)
+    full = ImageEmbedder(folder / index.manifest.model, index.embedder.spec, index.manifest.preprocess)
+    new = index.table.paths[-2:]
+    want = torch.nn.functional.normalize(full(new)[:, :WIDTH], dim=1)
+    torch.testing.assert_close(index.embeddings[-2:], want, atol=1e-5, rtol=0)
