@@ -72,6 +72,8 @@ def _value(metrics: dict[str, float], width: int, full: int, name: str) -> float
 
 
 def _cell(values: list[float]) -> str:
+    if not values:
+        return "not run"
     if len(values) == 1:
         return f"{100 * values[0]:.1f}"
     return f"{100 * statistics.mean(values):.1f} ± {100 * statistics.stdev(values):.1f}"
@@ -92,7 +94,7 @@ def table(widths: list[int], results: dict[str, list[dict[str, Any]]]) -> str:
                 _cell([_value(r["metrics"], d, full, name) for r in results[f"fixed {full}"]]),
             ]
         lines.append(f"| {d} | " + " | ".join(cells) + " |")
-    seconds = {name: statistics.mean(r["seconds"] for r in runs) for name, runs in results.items()}
+    seconds = {name: statistics.mean(r["seconds"] for r in runs) for name, runs in results.items() if runs}
     lines.append("")
     lines.append("Seconds per run: " + ", ".join(f"{name} {s:.0f}" for name, s in seconds.items()))
     return "\n".join(lines)
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> str:
             if str(d) in chosen:
                 results[f"fixed {d}"].append(run(seed, args.steps, args.root, d, None))
                 print(f"# fixed {d} seed {seed}: {results[f'fixed {d}'][-1]}", file=sys.stderr, flush=True)
-    if any(not runs for runs in results.values()):
+    if not args.merge and any(not runs for runs in results.values()):
         return ""  # a part of the runs (--runs): the table comes from --merge of the logs
     text = table(widths, results)
     print(text)
