@@ -240,3 +240,21 @@ def test_one_tiny_fit_writes_a_folder_of_the_base_checkpoint(tmp_path, monkeypat
     assert model.input_spec.color == "L" and model.input_spec.crop_size == 32  # the base model's preprocessing
     scores = model.score(torch.zeros(1, 1, 32, 32), torch.zeros(1, 2, 1, 32, 32))
     assert scores.shape == (1, 2) and bool(torch.isfinite(scores).all())
+
+
+def test_the_rerank_configs_build_the_reranker_classes(tmp_path, monkeypatch):
+    from lightning_dml.cli import build_cli
+    from lightning_dml.rerank.cli_classes import reranker_fit_classes
+    from lightning_dml.rerank.data import PairwiseRerankDataModule
+    from lightning_dml.rerank.module import PairwiseRerankerModule
+    from tests.test_index_cli import ROOT
+
+    assert reranker_fit_classes(["fit", "--config", str(ROOT / "configs" / "glyphs.yaml")]) is None
+    monkeypatch.chdir(tmp_path)
+    for name in ("glyphs.yaml", "glyphs_feature.yaml"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cli = build_cli([f"--config={ROOT / 'configs' / 'rerank' / name}", "--trainer.logger=false"],
+                            run=False)
+        assert isinstance(cli.model, PairwiseRerankerModule) and isinstance(cli.datamodule, PairwiseRerankDataModule)
+        assert cli.model.reranker.inputs == cli.datamodule.inputs, name

@@ -72,7 +72,7 @@ def save_reranker(model: PairwiseReranker, folder: str | os.PathLike, *, base_ch
         input_spec: the re-ranker's image preprocessing (defaults to ``model.input_spec`` where it has one).
         extra: further JSON data recorded under ``extra`` (e.g. how it was trained).
     """
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     from lightning_dml.index.folder import replacing
 
@@ -92,7 +92,7 @@ def save_reranker(model: PairwiseReranker, folder: str | os.PathLike, *, base_ch
     }
     with replacing(folder, what="a write of the re-ranker") as staged:
         weights = staged / WEIGHTS
-        save_file(state, str(weights), metadata={"format": FORMAT, "kind": model.kind})
+        weights.write_bytes(save(state, metadata={"format": FORMAT, "kind": model.kind}))  # an ordinary file's mode
         record["weights"] = {"file": WEIGHTS, "bytes": weights.stat().st_size, "sha256": _sha256(weights)}
         write_json_atomic(staged / MANIFEST, record)
     return Path(folder)
