@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -240,6 +241,7 @@ class FakeIndex:
     """An index of 3 items whose search fails for k=3 (stands in for any failure inside one option group)."""
 
     metric = "cosine"
+    manifest = types.SimpleNamespace(calibration=None)  # not calibrated: no match flags
 
     def search(self, queries, k):
         if k == 3:

@@ -17,12 +17,12 @@ Output on stdout, one line per query:
   best first (``query``: the path as given on the command line or in the table);
 * ``--format csv``: a header ``query,rank,id,path,label,score`` and one row per result (rank from 1).
 
+``--store milvus --uri URI``: ``--index`` names a gallery in a Milvus collection (:mod:`lightning_dml.index.stores`,
+:mod:`lightning_dml.index.milvus`), searched the same way.
+
 With a calibrated index (``lightning-dml index calibrate``, :mod:`lightning_dml.index.calibrate`) each result also
 has ``"match": true|false`` (a ``match`` column in CSV): its exact score ``>`` the stored threshold;
 ``--matches_only`` keeps the matches only (refused on an index without a threshold).
-
-``--store milvus --uri URI``: ``--index`` names a gallery in a Milvus collection (:mod:`lightning_dml.index.stores`,
-:mod:`lightning_dml.index.milvus`), searched the same way.
 """
 
 from __future__ import annotations
@@ -154,5 +154,5 @@ def main(argv: Sequence[str] | None = None) -> None:
         for name, found in zip(items.names, results):
             for rank, row in enumerate(found, start=1):
                 writer.writerow([name, rank, row["id"], row["path"], row["label"], repr(row["score"])]
-                                + [str(row["match"]).lower()] * marked)
+                                + ([str(row["match"]).lower()] if marked else []))
     out.flush()
