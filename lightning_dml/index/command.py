@@ -119,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = sub.add_parser("status", help="the index's manifest and the gallery files changed since indexing")
     status.add_argument("--index", required=True, help="the index folder")
+    add_store_arguments(status)
 
     calibrate = sub.add_parser("calibrate", help="store the match threshold at a false match rate, measured over all "
                                "pairs of a labelled set (lightning_dml.index.calibrate)")
@@ -134,7 +135,6 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--device", default="cpu", help="where the exported model embeds the labelled images")
     calibrate.add_argument("--lock_timeout", type=float, default=DEFAULT_LOCK_TIMEOUT, help="seconds to wait while "
                            f"another command writes the folder (default {DEFAULT_LOCK_TIMEOUT:g})")
-    add_store_arguments(status)
     return parser
 
 
