@@ -63,6 +63,48 @@ _FAISS_FILE = re.compile(r"^(index|shard-\d+)\.faiss$")
 _LOAD_ATTEMPTS = 5
 
 
+def query_array(queries: Tensor, metric: str) -> np.ndarray:
+    """Queries as a store searches them: float32, L2-normalised for ``cosine`` (as the stored vectors), a
+    C-contiguous numpy array on the CPU."""
+    x = queries.detach().float()
+    if metric == "cosine":
+        x = torch.nn.functional.normalize(x, dim=1)
+    return np.ascontiguousarray(x.cpu().numpy())
+
+
+def best_k(search: Callable[[np.ndarray, int], tuple[Tensor, Tensor]], x: np.ndarray, k: int,
+           limit: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` best results of each query by score, then by the smaller id (the exact engine's tie rule), from
+    ``search(x, n) -> (scores [Q, n], ids [Q, n])`` (a store's top-n in its own order of ties, ``-1`` padding),
+    ``-inf`` / ``-1`` padding to ``k`` columns.
+
+    One result more than asked is fetched: a row whose (k+1)-th score equals its k-th has a tie across the
+    boundary and is searched again with twice as many (at most ``limit``, what the store can return) until the tie
+    ends, so that the ``k`` kept are the best ``k`` of everything the store finds for the query, whatever ``k`` and
+    the store's sharding or order of equal scores."""
+    fetch = min(k if k >= limit else k + 1, limit)
+    scores, ids = search(x, max(fetch, 1))
+    while fetch < limit:
+        tied = (ids[:, -1] >= 0) & (scores[:, -1] == scores[:, k - 1])
+        if not tied.any():
+            break
+        fetch = min(2 * fetch, limit)
+        more_scores, more_ids = search(x[tied.numpy()], fetch)
+        grown = torch.full((ids.shape[0], fetch), float("-inf")), torch.full((ids.shape[0], fetch), -1)
+        grown[0][:, : scores.shape[1]], grown[1][:, : ids.shape[1]] = scores, ids
+        grown[0][tied], grown[1][tied] = more_scores, more_ids
+        scores, ids = grown
+    by_id = torch.sort(torch.where(ids >= 0, ids, torch.iinfo(torch.int64).max), dim=1, stable=True).indices
+    scores, ids = scores.gather(1, by_id), ids.gather(1, by_id)
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
+    scores, ids = scores.gather(1, order), ids.gather(1, order)
+    if scores.shape[1] < k:  # fewer results than k
+        pad = k - scores.shape[1]
+        scores = torch.cat([scores, torch.full((scores.shape[0], pad), float("-inf"))], 1)
+        ids = torch.cat([ids, torch.full((ids.shape[0], pad), -1, dtype=torch.long)], 1)
+    return scores, ids
+
+
 def _faiss_names(shards: int) -> list[str]:
     return ["index.faiss"] if shards == 1 else [f"shard-{i}.faiss" for i in range(shards)]
 
@@ -482,10 +524,7 @@ class EmbeddingIndex:
         device = queries.device
         if queries.shape[0] == 0:
             return torch.empty(0, k, device=device), torch.empty(0, k, dtype=torch.long, device=device)
-        x = queries.detach().float()
-        if self.metric == "cosine":
-            x = torch.nn.functional.normalize(x, dim=1)
-        x = np.ascontiguousarray(x.cpu().numpy())
+        x = query_array(queries, self.metric)
         asked, rescore = k, V.rescore_count(self.manifest.options)
         if rescore is not None:  # candidates: the best max(N, k) by the codes' score (lightning_dml.index.vectors)
             k = max(k, min(rescore, len(self)))
@@ -493,23 +532,7 @@ class EmbeddingIndex:
         # one result more than asked: a row whose (k+1)-th score equals its k-th has a tie across the boundary,
         # and is searched again with twice as many until the tie ends, so that the k kept are the best k by
         # (score, smaller id) of everything the index finds for the query, whatever k and the sharding
-        fetch = k if k >= total else k + 1
-        scores, ids = self._faiss_search(x, fetch)
-        while fetch < total:
-            tied = (ids[:, -1] >= 0) & (scores[:, -1] == scores[:, k - 1])
-            if not tied.any():
-                break
-            fetch = min(2 * fetch, total)
-            more_scores, more_ids = self._faiss_search(x[tied.numpy()], fetch)
-            grown = torch.full((ids.shape[0], fetch), float("-inf")), torch.full((ids.shape[0], fetch), -1)
-            grown[0][:, : scores.shape[1]], grown[1][:, : ids.shape[1]] = scores, ids
-            grown[0][tied], grown[1][tied] = more_scores, more_ids
-            scores, ids = grown
-        # order: score, then the smaller id (the exact engine's tie rule); padding (-inf, -1) last
-        by_id = torch.sort(torch.where(ids >= 0, ids, torch.iinfo(torch.int64).max), dim=1, stable=True).indices
-        scores, ids = scores.gather(1, by_id), ids.gather(1, by_id)
-        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
-        scores, ids = scores.gather(1, order), ids.gather(1, order)
+        scores, ids = best_k(self._faiss_search, x, k, total)
         if rescore is not None:  # the best k of the candidates by the exact score of the full-precision vectors
             scores, ids = V.rescore(x, ids, self._vectors, self.table.rows_of, self.metric, asked)
         return scores.to(device), ids.to(device)

@@ -59,7 +59,7 @@ import torch
 from torch import Tensor
 
 from lightning_dml.errors import UserInputError
-from lightning_dml.index.index import EmbeddingIndex, IndexTable
+from lightning_dml.index.index import EmbeddingIndex, IndexTable, best_k, query_array
 from lightning_dml.index.manifest import FORMAT, IndexFolderError, IndexMismatchError, Manifest
 
 __all__ = ["MILVUS_TOPK", "MilvusIndex", "MilvusStoreError", "connect", "is_local_uri"]
@@ -449,34 +449,11 @@ class MilvusIndex:
         device = queries.device
         if queries.shape[0] == 0:
             return torch.empty(0, k, device=device), torch.empty(0, k, dtype=torch.long, device=device)
-        x = queries.detach().float()
-        if self.metric == "cosine":
-            x = torch.nn.functional.normalize(x, dim=1)
-        x = np.ascontiguousarray(x.cpu().numpy())
+        x = query_array(queries, self.metric)
         total = len(self)
         if min(k, total) > MILVUS_TOPK:
             raise MilvusStoreError(f"k {k}: Milvus returns at most {MILVUS_TOPK} results per query")
-        limit = min(total, MILVUS_TOPK)
-        fetch = min(k if k >= total else k + 1, limit)
-        scores, ids = self._milvus_search(x, max(fetch, 1))
-        while fetch < limit:
-            tied = (ids[:, -1] >= 0) & (scores[:, -1] == scores[:, k - 1])
-            if not tied.any():
-                break
-            fetch = min(2 * fetch, limit)
-            more_scores, more_ids = self._milvus_search(x[tied.numpy()], fetch)
-            grown = torch.full((ids.shape[0], fetch), float("-inf")), torch.full((ids.shape[0], fetch), -1)
-            grown[0][:, : scores.shape[1]], grown[1][:, : ids.shape[1]] = scores, ids
-            grown[0][tied], grown[1][tied] = more_scores, more_ids
-            scores, ids = grown
-        by_id = torch.sort(torch.where(ids >= 0, ids, torch.iinfo(torch.int64).max), dim=1, stable=True).indices
-        scores, ids = scores.gather(1, by_id), ids.gather(1, by_id)
-        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
-        scores, ids = scores.gather(1, order), ids.gather(1, order)
-        if scores.shape[1] < k:  # fewer items than k: -inf / -1 padding
-            pad = k - scores.shape[1]
-            scores = torch.cat([scores, torch.full((scores.shape[0], pad), float("-inf"))], 1)
-            ids = torch.cat([ids, torch.full((ids.shape[0], pad), -1, dtype=torch.long)], 1)
+        scores, ids = best_k(self._milvus_search, x, k, min(total, MILVUS_TOPK))
         return scores.to(device), ids.to(device)
 
     def _milvus_search(self, x: np.ndarray, k: int) -> tuple[Tensor, Tensor]:
