@@ -27,9 +27,21 @@ demo: $(STAMP)
 JOBS   ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))" 2>/dev/null || echo 2)
 PYTEST := $(PY) -m pytest -q -n $(JOBS) --dist worksteal
 
-## The whole test suite, slow tests included (what CI runs).
-test: $(STAMP)
+## peft (LoRA adapters, the `peft` extra) and what it pulls in, in a folder of their own put on PYTHONPATH for the
+## adapter tests only: in the venv, transformers would be imported by torchmetrics in every test process (+0.8 s each,
+## about 2 minutes of the suite) and rich would change Lightning's default progress bar. The versions tested.
+PEFT_SITE     := $(VENV)/peft-site
+PEFT_PACKAGES := peft==0.21.2 transformers==5.24.0 accelerate==1.15.0 tokenizers==0.23.3 regex typer rich \
+                 shellingham markdown-it-py mdurl
+$(PEFT_SITE)/.installed: $(STAMP)
+	rm -rf $(PEFT_SITE)
+	$(PY) -m pip install --quiet --no-deps --target $(PEFT_SITE) $(PEFT_PACKAGES)
+	touch $@
+
+## The whole test suite, slow tests included (what CI runs); the adapter tests again with peft (above).
+test: $(STAMP) $(PEFT_SITE)/.installed
 	$(PYTEST)
+	PYTHONPATH=$(abspath $(PEFT_SITE)) LIGHTNING_DML_PEFT_TESTS=1 $(PY) -m pytest -q -n 0 tests/test_adapters.py
 
 ## The inner loop: everything but the tests marked slow.
 test-fast: $(STAMP)
