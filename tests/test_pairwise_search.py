@@ -41,12 +41,13 @@ def _images(root: Path, per_class: dict[str, int], seed: int) -> None:
             Image.fromarray(pixels, "L").save(path)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("pairwise")
+def tiny_set(root: Path, queries: dict[str, int] | None = None) -> dict:
+    """The tiny labelled set, its config (a width-8 SmallConvNet, 16-d embedding) and a random-init checkpoint in
+    ``root``: 4 classes x 5 gallery PNGs, ``queries`` query PNGs per class (default 2 each), 2 x 2 training PNGs
+    (the module docstring); also used by tests/test_pairwise_ddp.py."""
     classes = [f"class{c}" for c in range(4)]
     _images(root / "gallery", dict.fromkeys(classes, 5), seed=1)
-    _images(root / "queries", dict.fromkeys(classes, 2), seed=2)
+    _images(root / "queries", queries or dict.fromkeys(classes, 2), seed=2)
     _images(root / "train", {"class8": 2, "class9": 2}, seed=3)
     rows = ["path,label,split,is_query,is_gallery"]
     for split, q, g in (("train", "false", "false"), ("gallery", "false", "true"), ("queries", "true", "false")):
@@ -63,7 +64,14 @@ def setup(tmp_path_factory) -> dict:
                                  "samples_per_class": 2, "num_workers": 0, "eval_batch_size": 64}}
     config = root / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    ckpt = _checkpoint(config, root / "model.ckpt", 0)
+    return {"root": root, "config": config, "ckpt": _checkpoint(config, root / "model.ckpt", 0)}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("pairwise")
+    tiny = tiny_set(root)
+    config, ckpt = tiny["config"], tiny["ckpt"]
     other = _checkpoint(config, root / "other.ckpt", 1)
     code, _, err = _main_capture(["index", "build", "--config", str(config), "--ckpt_path", str(ckpt), "--gallery",
                                   str(root / "gallery"), "--kind", "flat", "--out", str(root / "flat"), *QUIET])
