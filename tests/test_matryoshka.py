@@ -76,7 +76,7 @@ def test_anatomy_follows_the_wrapped_loss_and_default_widths():
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        ({"loss": "arcface"}, "cannot wrap ArcFaceLoss: its parameters"),
+        ({"loss": "cross_batch_memory"}, "cannot wrap CrossBatchMemory: it is not a pair loss"),
         ({"loss": "matryoshka"}, "cannot wrap itself"),
         ({"widths": [4, 4]}, "strictly increasing"),
         ({"widths": [0, 4]}, "integer >= 1"),
@@ -98,26 +98,67 @@ def test_width_beyond_the_embedding_refused_at_call():
         MatryoshkaLoss(widths=[2, 4])(x, y, x[:, :4], y)
 
 
+#: the config snippet of docs/losses/matryoshka.md with a proxy inner loss (each width its own proxies)
+PROXY_YAML = """
+model:
+  loss:
+    class_path: lightning_dml.losses.MatryoshkaLoss
+    init_args:
+      loss:
+        class_path: lightning_dml.losses.ProxyAnchorLoss
+        init_args:
+          alpha: 16.0
+      widths: [4, 8, 16]
+      weights: [1, 1, 2]
+  loss_lr_multiplier: 100.0
+  metric_widths: [4, 8]
+"""
+
+
 def test_cli_fit_trains_matryoshka_and_validates_every_width(tmp_path, monkeypatch, capsys):
-    """The one CLI fit of the package: MatryoshkaLoss configured from the command line (class path and init_args),
-    ``--model.metric_widths``: the logged ``val/w<d>/...`` metrics and the printed table's width columns."""
+    """The one CLI fit of the package: MatryoshkaLoss over Proxy-Anchor from a yaml snippet (class path and
+    init_args, the inner loss a class path too): one proxy matrix per width, created at fit start with the data
+    module's classes, all trained in the optimizer's ``"loss"`` group at ``loss_lr_multiplier``; a checkpoint loads
+    back into a fresh module (``loss_sizes``); ``metric_widths``: the logged ``val/w<d>/...`` metrics and the
+    printed table's width columns. The parameter-free inner loss from the command line: parsed only."""
     import warnings
 
+    from lightning_dml.checkpoints import read_checkpoint
     from lightning_dml.cli import build_cli
+    from lightning_dml.losses import ProxyAnchorLoss
+    from lightning_dml.models import SmallConvNet
+    from lightning_dml.module import DMLModule
     from tests.test_cli import FAST, GLYPHS
 
     monkeypatch.chdir(tmp_path)
-    args = ["fit", "--config", str(GLYPHS), *FAST, "--trainer.callbacks=[]", "--trainer.limit_train_batches=2",
-            "--trainer.limit_val_batches=2", "--trainer.num_sanity_val_steps=0", "--trainer.logger=false",
-            "--model.loss", "lightning_dml.losses.MatryoshkaLoss", "--model.loss.init_args.loss", "contrastive",
-            "--model.loss.init_args.widths", "[4, 8, 16]", "--model.loss.init_args.weights", "[1, 1, 2]",
-            "--model.metric_widths", "[4, 8]"]
+    (tmp_path / "loss.yaml").write_text(PROXY_YAML)
+    args = ["fit", "--config", str(GLYPHS), *FAST, "--config", "loss.yaml", "--trainer.callbacks=[]",
+            "--trainer.limit_train_batches=2", "--trainer.limit_val_batches=2", "--trainer.num_sanity_val_steps=0",
+            "--trainer.logger=false"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         cli = build_cli(args)
+        parsed = build_cli(["--config", str(GLYPHS), *FAST, "--model.loss", "lightning_dml.losses.MatryoshkaLoss",
+                            "--model.loss.init_args.loss", "contrastive", "--model.loss.init_args.widths", "[4, 8]"],
+                           run=False).model.loss
+    assert isinstance(parsed, MatryoshkaLoss) and type(parsed.loss).__name__ == "ContrastiveLoss"
     loss = cli.model.loss
     assert isinstance(loss, MatryoshkaLoss) and (loss.widths, loss.weights) == ([4, 8, 16], [1.0, 1.0, 2.0])
-    assert type(loss.loss).__name__ == "ContrastiveLoss" and cli.trainer.global_step == 2
+    assert cli.trainer.global_step == 2 and loss.num_classes == cli.datamodule.train_class_ids.numel()
+    proxies = [f.proxies for f in loss.losses]
+    assert [tuple(p.shape) for p in proxies] == [(loss.num_classes, d) for d in (4, 8, 16)]
+    optimizer = cli.trainer.optimizers[0]
+    (group,) = [g for g in optimizer.param_groups if g.get("name") == "loss"]
+    backbone_lr = [g["lr"] for g in optimizer.param_groups if g.get("name") == "backbone"][0]
+    assert [id(p) for p in group["params"]] == [id(p) for p in proxies] and group["lr"] == 100.0 * backbone_lr
+    assert all(float(optimizer.state[p]["exp_avg"].abs().max()) > 0 for p in proxies)  # every width trained
+    cli.trainer.save_checkpoint(tmp_path / "m.ckpt")
+    ckpt = read_checkpoint(tmp_path / "m.ckpt")
+    fresh = DMLModule(SmallConvNet(in_channels=1, width=8), embedding_dim=16, loss_sizes=ckpt["hyper_parameters"][
+        "loss_sizes"], loss=MatryoshkaLoss(ProxyAnchorLoss(alpha=16.0), widths=[4, 8, 16], weights=[1, 1, 2]))
+    fresh.load_state_dict(ckpt["state_dict"])
+    for mine, saved in zip(fresh.loss.losses, loss.losses):
+        assert torch.equal(mine.proxies, saved.proxies)
     logged = cli.trainer.callback_metrics
     assert {"val/recall@1", "val/w4/recall@1", "val/w8/map@r"} <= set(logged)
     header = [line for line in capsys.readouterr().out.splitlines() if line.split() == ["full", "w4", "w8"]]
