@@ -11,6 +11,11 @@ then tested on the 93 unseen test classes), with only the loss and the embedding
 * ``cut of fixed max``: the fixed ``max(WIDTHS)`` model tested at every width too (what cutting a model that was
   not trained for it gives).
 
+``--loss proxy_anchor`` (any registered loss) replaces Multi-Similarity in every run: with a loss with parameters the
+Matryoshka model has one proxy matrix per width (Eq. 1's ``W^(m)``), or with ``--tied`` one ``D``-wide matrix whose
+leading ``d`` columns serve width ``d`` (MRL-E, Sec. 3). The loss's learning rate is the protocol's, the same for
+all (``loss_lr_multiplier`` 1, as bench/ranking.py's Proxy-Anchor row).
+
 Usage::
 
     OMP_NUM_THREADS=2 python bench/matryoshka_glyphs.py --steps 200 --seeds 0 --out matryoshka.md
@@ -19,6 +24,7 @@ Usage::
     python bench/matryoshka_glyphs.py --runs matryoshka 8 16 2> a.log &
     python bench/matryoshka_glyphs.py --runs 32 64 128 2> b.log
     python bench/matryoshka_glyphs.py --merge a.log b.log
+    python bench/matryoshka_glyphs.py --loss proxy_anchor --runs matryoshka 8 16 128 2> pa.log   # proxies per width
 
 Prints (and with ``--out`` writes) a markdown table of test Recall@1 and MAP@R (%) per width, and the wall time
 of each run.
@@ -40,19 +46,24 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench.ranking import run_args  # noqa: E402  (the ranking's protocol: one place for the recipe)
 
 
-def run(seed: int, steps: int, root: str, width: int, widths: list[int] | None) -> dict[str, Any]:
-    """Train and test one model of embedding width ``width``; ``widths``: train it with MatryoshkaLoss at those
-    widths. Returns ``{"metrics": {key: value}, "seconds": s}`` (the test metrics, per width ``w<d>/...``)."""
+def run(
+    seed: int, steps: int, root: str, width: int, widths: list[int] | None, loss: str = "multi_similarity",
+    tied: bool = False,
+) -> dict[str, Any]:
+    """Train and test one model of embedding width ``width`` with ``loss``; ``widths``: train it with MatryoshkaLoss
+    over ``loss`` at those widths (``tied``: MRL-E). Returns ``{"metrics": {key: value}, "seconds": s}`` (the test
+    metrics, per width ``w<d>/...``)."""
     from lightning_dml.cli import build_cli
 
-    args = run_args("multi_similarity", seed, steps, root) + ["--model.embedding_dim", str(width),
-                                                              "--model.clustering", "false"]
+    args = run_args(loss, seed, steps, root) + ["--model.embedding_dim", str(width), "--model.clustering", "false"]
     evaluated = [d for d in (widths or WIDTHS_OF_FIXED.get(width, [])) if d < width]
     if evaluated:
         args += ["--model.metric_widths", str(evaluated)]
     if widths:
         args += ["--model.loss", "lightning_dml.losses.MatryoshkaLoss",
-                 "--model.loss.init_args.loss", "multi_similarity", "--model.loss.init_args.widths", str(widths)]
+                 "--model.loss.init_args.loss", loss, "--model.loss.init_args.widths", str(widths)]
+        if tied:
+            args += ["--model.loss.init_args.tied", "true"]
     start = time.perf_counter()
     cli = build_cli(args, run=False)
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
@@ -109,6 +120,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--out", default=None, help="also write the markdown table to this file")
     parser.add_argument("--runs", nargs="+", default=None, help="only these runs: matryoshka and/or fixed widths")
     parser.add_argument("--merge", nargs="+", default=None, help="no runs: the table from these runs' stderr logs")
+    parser.add_argument("--loss", default="multi_similarity", help="the registered loss of every run")
+    parser.add_argument("--tied", action="store_true", help="Matryoshka run: one tied proxy matrix (MRL-E)")
     args = parser.parse_args(argv)
     widths = sorted(set(args.widths))
     if args.steps < 1 or widths[0] < 1:
@@ -126,11 +139,11 @@ def main(argv: list[str] | None = None) -> str:
     chosen = ["matryoshka", *[str(d) for d in widths]] if args.runs is None else args.runs
     for seed in [] if args.merge else args.seeds:
         if "matryoshka" in chosen:
-            results["matryoshka"].append(run(seed, args.steps, args.root, max(widths), widths))
+            results["matryoshka"].append(run(seed, args.steps, args.root, max(widths), widths, args.loss, args.tied))
             print(f"# matryoshka seed {seed}: {results['matryoshka'][-1]}", file=sys.stderr, flush=True)
         for d in widths:
             if str(d) in chosen:
-                results[f"fixed {d}"].append(run(seed, args.steps, args.root, d, None))
+                results[f"fixed {d}"].append(run(seed, args.steps, args.root, d, None, args.loss))
                 print(f"# fixed {d} seed {seed}: {results[f'fixed {d}'][-1]}", file=sys.stderr, flush=True)
     if not args.merge and any(not runs for runs in results.values()):
         return ""  # a part of the runs (--runs): the table comes from --merge of the logs
