@@ -290,3 +290,66 @@ def test_a_replaced_model_file_and_a_database_open_elsewhere_are_refused(cli, tm
         assert "cannot be opened" in line and "one process at a time" in line
     finally:
         os.close(handle)
+
+
+def test_calibrate_on_the_store_stores_the_folders_threshold_and_search_and_serve_mark_matches(cli, tmp_path):
+    """``index calibrate --store milvus`` (issue 31: the commands work unchanged on either store): the threshold of
+    the folder index of the same checkpoint and gallery, meeting the FMR definition over all labelled pairs (brute
+    force), stored in the collection's manifest; ``search`` and the ``serve`` worker mark each result as on the
+    folder; a threshold of another checkpoint is refused in one line."""
+    from lightning_dml.index import server as S
+    from lightning_dml.index.calibrate import as_indexed
+    from lightning_dml.index.gallery import read_items
+    from tests.test_calibrate import brute_pairs, check_threshold
+
+    db = cli["db"]
+    flat_dir = tmp_path / "flat"  # copies: the module's other tests keep an uncalibrated folder and collection
+    shutil.copytree(cli["flat"], flat_dir)
+    flat = EmbeddingIndex.load(flat_dir)
+    MilvusIndex.build(flat.embeddings, flat.table, flat.metric, dataclasses.asdict(flat.manifest), uri=db,
+                      collection="calibrated", model_file=flat_dir / MODEL, model_dir=tmp_path / "models").close()
+    store = ["--store", "milvus", "--uri", db, "--index", "calibrated"]
+    labelled = ["--labelled", str(cli["gallery"]), "--fmr", "0.05"]
+    code, out, err = _main_capture(["index", "calibrate", *store, *labelled])
+    assert code == 0, err[-3000:]
+    assert f"stored in the manifest of Milvus collection calibrated at {db}" in out
+    code, _, err = _main_capture(["index", "calibrate", "--index", str(flat_dir), *labelled])
+    assert code == 0, err[-3000:]
+    index = MilvusIndex.open(db, "calibrated")
+    cal, want = index.manifest.calibration, EmbeddingIndex.load(flat_dir).manifest.calibration
+    index.close()
+    flat = EmbeddingIndex.load(flat_dir)  # (calibrate replaced the folder)
+    assert cal["threshold"] == want["threshold"]
+    assert {k: v for k, v in cal.items() if k != "computed"} == {k: v for k, v in want.items() if k != "computed"}
+    items = read_items(cli["gallery"])
+    with torch.no_grad():
+        x = as_indexed(flat.embed_images(items.paths), flat.metric).numpy()
+    names = sorted(set(items.labels))
+    pos, neg = brute_pairs(x, np.array([names.index(v) for v in items.labels]), flat.metric)
+    check_threshold(cal, pos, neg, "0.05", tol=1e-12)
+
+    query = cli["gallery"] / "class1" / "0.png"
+    mine = _search([*store, "--k", "12", str(query)])
+    _same_results(mine, _search(["--index", str(flat_dir), "--k", "12", str(query)]))
+    flags = [r["match"] for r in mine[0]["results"]]
+    assert flags == [r["match"] for r in _search(["--index", str(flat_dir), "--k", "12", str(query)])[0]["results"]]
+    with torch.no_grad():
+        q = as_indexed(flat.embed_images([query]), flat.metric).double()
+    exact = (q @ flat.vectors(torch.tensor([r["id"] for r in mine[0]["results"]])).double().T)[0]
+    far = (exact - cal["threshold"]).abs() > 1e-12  # (a score tied with the threshold: the engine's exact scorer)
+    assert torch.equal(torch.tensor(flags)[far], (exact > cal["threshold"])[far]) and any(flags) and not all(flags)
+    only = _search([*store, "--k", "12", "--matches_only", str(query)])[0]["results"]
+    assert [r["id"] for r in only] == [r["id"] for r, f in zip(mine[0]["results"], flags) if f]
+    api = S.SearchAPI("calibrated", store="milvus", uri=db)  # the serve model worker (no HTTP)
+    api.setup("cpu")
+    request = {"images": [base64.b64encode(query.read_bytes()).decode()], "single": True, "k": 12, "rerank": None,
+               "threshold": None, "adaptive": None, "matches_only": True}
+    answer = api.predict(api.batch([api.decode_request(request)]))[0]
+    assert [(r["id"], r["match"]) for r in answer["results"]] == [(r["id"], True) for r in only]
+
+    index = MilvusIndex.open(db, "calibrated")  # a threshold of another checkpoint's model
+    index.update_manifest(lambda manifest: manifest.calibration.update(checkpoint_sha256="0" * 64))
+    index.close()
+    for command in (["search", *store, str(query)], ["serve", *store]):
+        line = _one_error(command)
+        assert "calibrated with checkpoint sha256 000000" in line and "another model" in line

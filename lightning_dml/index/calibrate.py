@@ -22,11 +22,14 @@ embeds its queries (or read from a ``lightning-dml predict`` file of the index's
 (:mod:`lightning_dml.index.folder`: the folder is written whole and swapped in): the threshold and its rule, the
 target, the achieved FMR and FNMR, the pair counts, the labelled data's identity (path, item count, the sha256 of
 a file source, and of the listing ``path, size, mtime_ns`` of its images) and the sha256 of the checkpoint it was
-computed with. ``search`` and ``serve`` then add ``"match": true|false`` to each result, from the exact float64 score
-of the query and the stored vector (:func:`match_flags`; not the float32 score faiss returns, nor a re-ranked
-score), and return only matches on request (``--matches_only``). A calibration whose checkpoint sha256 is not the
-index's is refused in one line (:func:`check_calibration`); ``index build --overwrite`` writes a new manifest
-without one, and ``index add`` keeps it (the same model).
+computed with. A gallery in a Milvus collection (``--store milvus --uri URI``, :mod:`lightning_dml.index.milvus`)
+keeps the same calibration in its manifest, a collection property (read again and written back by
+:meth:`~lightning_dml.index.milvus.MilvusIndex.update_manifest`; Milvus has no lock). ``search`` and ``serve`` then
+add ``"match": true|false`` to each result, from the exact float64 score of the query and the stored vector
+(:func:`match_flags`; not the float32 score faiss returns, nor a re-ranked score), and return only matches on
+request (``--matches_only``). A calibration whose checkpoint sha256 is not the index's is refused in one line
+(:func:`check_calibration`); ``index build --overwrite`` writes a new manifest without one, and ``index add`` keeps
+it (the same model).
 """
 
 from __future__ import annotations
@@ -322,36 +325,52 @@ def load_labelled(index: Any, source: str, split: str | None = None) -> tuple[Te
 
 def calibrate_index(index_dir: str | os.PathLike, labelled: str, fmr: str | float | None = None, *,
                     fnmr: str | float | None = None, split: str | None = None, device: str = "cpu",
-                    lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> dict[str, Any]:
-    """Calibrate the index folder ``index_dir`` at the false match rate ``fmr`` (:func:`pair_threshold`) or at the
+                    lock_timeout: float = DEFAULT_LOCK_TIMEOUT, store: str = "faiss",
+                    uri: str | None = None) -> dict[str, Any]:
+    """Calibrate the gallery ``index_dir`` at the false match rate ``fmr`` (:func:`pair_threshold`) or at the
     false non-match rate ``fnmr`` (:func:`fnmr_threshold`; one of the two) on the labelled set ``labelled``
     (:func:`load_labelled`) and store the result in its manifest (module docstring); returns the calibration.
 
-    The labelled items are embedded and the threshold computed without the lock; the manifest is then written
-    under the folder's lock (the index loaded again there, and refused when it was rebuilt with another checkpoint
-    meanwhile), the folder swapped in whole (:meth:`~lightning_dml.index.EmbeddingIndex.save`)."""
+    ``store``/``uri`` (:func:`~lightning_dml.index.stores.open_index`): ``faiss``, an index folder, or ``milvus``,
+    the collection ``index_dir`` at ``uri``, whose manifest is a collection property
+    (:meth:`~lightning_dml.index.milvus.MilvusIndex.update_manifest`; ``lock_timeout`` is the folder's only). The
+    labelled items are embedded and the threshold computed without the lock; the manifest is then written under the
+    folder's lock (the index loaded again there, and refused when it was rebuilt with another checkpoint meanwhile),
+    the folder swapped in whole (:meth:`~lightning_dml.index.EmbeddingIndex.save`); a Milvus manifest is read
+    again and refused the same way."""
     from lightning_dml import __version__
     from lightning_dml.index.index import EmbeddingIndex
+    from lightning_dml.index.stores import close_index, open_index
 
     if (fmr is None) == (fnmr is None):
         raise CalibrationError("give one target: --fmr F (false match rate) or --fnmr F (false non-match rate)")
     kind, rate = ("fmr", parse_rate(fmr)) if fmr is not None else ("fnmr", parse_rate(fnmr, "--fnmr"))
-    index = EmbeddingIndex.load(index_dir, device=device)
-    embeddings, labels, identity = load_labelled(index, labelled, split)
-    find = pair_threshold if kind == "fmr" else fnmr_threshold
-    found = find(as_indexed(embeddings, index.metric), labels, rate, index.metric)
-    sha = index.manifest.checkpoint_sha256
-    calibration = {
-        "threshold": found["threshold"], "rule": RULE, "target": {kind: rate}, "fmr": found["fmr"],
-        "fnmr": found["fnmr"], "positives": found["positives"], "negatives": found["negatives"],
-        "metric": index.metric, "checkpoint_sha256": sha, "labelled": identity,
-        "computed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "library": __version__,
-    }
+    index = open_index(str(index_dir), store, uri, device=device)
+    try:
+        embeddings, labels, identity = load_labelled(index, labelled, split)
+        find = pair_threshold if kind == "fmr" else fnmr_threshold
+        found = find(as_indexed(embeddings, index.metric), labels, rate, index.metric)
+        sha, metric = index.manifest.checkpoint_sha256, index.metric
+        calibration = {
+            "threshold": found["threshold"], "rule": RULE, "target": {kind: rate}, "fmr": found["fmr"],
+            "fnmr": found["fnmr"], "positives": found["positives"], "negatives": found["negatives"],
+            "metric": metric, "checkpoint_sha256": sha, "labelled": identity,
+            "computed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "library": __version__,
+        }
+
+        def store_in(manifest: Manifest) -> None:
+            if manifest.checkpoint_sha256 != sha or manifest.metric != metric:
+                raise CalibrationMismatchError(f"index {index_dir} was rebuilt with another model while it was "
+                                               "calibrated (its checkpoint sha256 changed): calibrate again")
+            manifest.calibration = calibration
+
+        if store == "milvus":
+            index.update_manifest(store_in)
+            return calibration
+    finally:
+        close_index(index)
     with locked(index_dir, lock_timeout, "calibration of the index"):
         current = EmbeddingIndex.load(index_dir)
-        if current.manifest.checkpoint_sha256 != sha or current.metric != index.metric:
-            raise CalibrationMismatchError(f"index {index_dir} was rebuilt with another model while it was calibrated "
-                                           "(its checkpoint sha256 changed): calibrate again")
-        current.manifest.calibration = calibration
+        store_in(current.manifest)
         current.save(index_dir, lock_timeout=lock_timeout)
     return calibration

@@ -11,7 +11,7 @@
         [--format table|json]
     lightning-dml index status --index DIR
     lightning-dml index calibrate --index DIR --labelled PATH (--fmr F | --fnmr F) [--split SPLIT] [--device cpu]
-        [--lock_timeout 600]
+        [--lock_timeout 600] [--store milvus --uri URI]
 
 ``PATH``: an image folder of class folders or a CSV/Parquet table (:mod:`lightning_dml.index.gallery`); ``--queries``
 also takes a ``lightning-dml predict`` file (``predictions.pt``: its checkpoint must be the index's). ``build`` runs
@@ -23,9 +23,9 @@ checkpoint the index was built from changed since (its sha256 against the one re
 :mod:`lightning_dml.index.folder`): a command stopped at any point leaves the old index whole, and a second writer
 of the same folder waits for the first (a line names the holder) for at most ``--lock_timeout`` seconds.
 
-``--store milvus --uri URI`` (``build``, ``add``, ``evaluate``, ``status``; ``build`` also ``--model_dir``): the
-gallery in a Milvus collection named by ``--out`` / ``--index`` (:mod:`lightning_dml.index.stores`,
-:mod:`lightning_dml.index.milvus`; ``build``: ``--kind flat`` only).
+``--store milvus --uri URI`` (``build``, ``add``, ``evaluate``, ``status``, ``calibrate``; ``build`` also
+``--model_dir``): the gallery in a Milvus collection named by ``--out`` / ``--index``
+(:mod:`lightning_dml.index.stores`, :mod:`lightning_dml.index.milvus`; ``build``: ``--kind flat`` only).
 """
 
 from __future__ import annotations
@@ -135,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--device", default="cpu", help="where the exported model embeds the labelled images")
     calibrate.add_argument("--lock_timeout", type=float, default=DEFAULT_LOCK_TIMEOUT, help="seconds to wait while "
                            f"another command writes the folder (default {DEFAULT_LOCK_TIMEOUT:g})")
+    add_store_arguments(calibrate)
     return parser
 
 
@@ -303,13 +304,15 @@ def _calibrate(args: argparse.Namespace) -> None:
     else:
         parse_rate(args.fnmr, "--fnmr")
     _check_lock_timeout(args)
+    check_store(args)
     cal = calibrate_index(args.index, args.labelled, args.fmr, fnmr=args.fnmr, split=args.split, device=args.device,
-                          lock_timeout=args.lock_timeout)
+                          lock_timeout=args.lock_timeout, store=args.store, uri=args.uri)
+    where = (f"the manifest of Milvus collection {args.index} at {args.uri}" if args.store == "milvus"
+             else Path(args.index) / MANIFEST)
     (kind, rate), = cal["target"].items()
     print(f"lightning-dml index: threshold {cal['threshold']!r} (match: {cal['rule']}) at target {kind.upper()} "
           f"{rate}: FMR {cal['fmr']:.6g}, FNMR {cal['fnmr']:.6g} over {cal['negatives']} negative and "
-          f"{cal['positives']} positive pairs of {cal['labelled']['items']} labelled items; stored in "
-          f"{Path(args.index) / MANIFEST}")
+          f"{cal['positives']} positive pairs of {cal['labelled']['items']} labelled items; stored in {where}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -13,8 +13,9 @@ What is stored where:
   the metric ``IP`` (``cosine``) or ``L2`` (``euclidean``: Milvus reports the squared distance, negated here);
 * the collection's properties: ``lightning_dml.manifest``, the :class:`~lightning_dml.index.manifest.Manifest` as
   JSON (checkpoint path and sha256, embedding size, metric, input spec and preprocessing, gallery sources,
-  ``next_id``, and ``model``: the absolute path of the exported model), and ``lightning_dml.model_sha256``, the
-  sha256 of that model file;
+  ``next_id``, ``model``: the absolute path of the exported model, and ``calibration``: the match threshold of
+  ``lightning-dml index calibrate --store milvus``, :mod:`lightning_dml.index.calibrate`, which ``search`` and
+  ``serve`` read as from a folder's manifest), and ``lightning_dml.model_sha256``, the sha256 of that model file;
 * the exported model (``embedding_model.safetensors``, the safe format of :mod:`lightning_dml.export`) is a local
   file: Milvus holds vectors, not models. ``build`` writes it into ``model_dir/<collection>__<uid>/`` (default
   ``model_dir``: ``<URI>.models`` beside a Milvus Lite ``.db``; a server URI needs one) and records its absolute
@@ -50,7 +51,7 @@ import re
 import secrets
 import shutil
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -551,6 +552,24 @@ class MilvusIndex:
         self.manifest.count = len(self)
         self._run(f"writing the manifest of {self.folder}", self.client.alter_collection_properties,
                   self.collection, properties={MANIFEST_PROPERTY: self.manifest.to_json()})
+
+    def update_manifest(self, change: Callable[[Manifest], None]) -> Manifest:
+        """``change(manifest)`` applied to the manifest as stored now (read again from the collection's
+        properties, not the copy read at :meth:`open`) and written back; :attr:`manifest` becomes the result, which
+        is returned (how :func:`~lightning_dml.index.calibrate.calibrate_index` stores a threshold). ``change`` may
+        raise to refuse; a name moved to another collection since :meth:`open` (a rebuild) is one
+        :class:`~lightning_dml.index.manifest.IndexFolderError` and nothing is written. Milvus has no lock: writers
+        of one collection are not coordinated (module docstring): run one at a time."""
+        stored = self._read_manifest()  # also refuses a collection dropped since it was opened
+        now = _call(f"reading {self.folder}", self.client.describe_alias, self.name)["collection_name"]
+        if now != self.collection:
+            raise IndexFolderError(f"gallery {self.folder} was rebuilt (lightning-dml index build --overwrite) since "
+                                   "it was opened: open it again")
+        change(stored)
+        self._run(f"writing the manifest of {self.folder}", self.client.alter_collection_properties,
+                  self.collection, properties={MANIFEST_PROPERTY: stored.to_json()})
+        self.manifest = stored
+        return stored
 
     def add(self, embeddings: Tensor | np.ndarray, paths: Sequence[str] | None = None,
             labels: Sequence[str] | None = None, *, checkpoint_sha256: str | None = None) -> Tensor:
