@@ -161,6 +161,12 @@ def test_options_the_onnx_path_does_not_serve_are_one_line(built):
     query = str(built["gallery"] / "class0" / "0.png")
     line = _one_error(["search", "--index", str(built["onnx"]), "--runtime", "onnx", "--rerank", "aqe", query])
     assert "--rerank needs the torch runtime" in line
+    line = _one_error(["search", "--index", str(built["onnx"]), "--runtime", "onnx", "--adaptive", "2", query])
+    assert "--adaptive needs the torch runtime (the adaptive cut runs on torch tensors)" in line
+    line = _one_error(["search", "--index", str(built["onnx"]), "--runtime", "onnx", "--threshold", "x", query])
+    assert "--threshold 'x' is not a number" in line
+    line = _one_error(["search", "--index", str(built["onnx"]), "--runtime", "onnx", "--matches_only", query])
+    assert "--matches_only: the index" in line and "has no calibrated threshold" in line
     line = _one_error(["search", "--index", str(built["torch"]), "--runtime", "onnx", query])
     assert "has no embedding_model.onnx: build it with lightning-dml index build --runtime onnx" in line
     line = _one_error(["serve", "--index", str(built["torch"]), "--runtime", "onnx", "--port", "0"])
@@ -209,3 +215,167 @@ def test_the_execution_providers_of_each_device():
         assert providers_for("auto") == ["CPUExecutionProvider"]
         with pytest.raises(OnnxRuntimeError, match="has no CUDAExecutionProvider.*pip install onnxruntime-gpu"):
             providers_for("cuda")
+
+
+def _calibrated_copy(built, tmp_path) -> Path:
+    """A copy of the ONNX-built index calibrated (``index calibrate --fmr 0.1``) on classes 0 and 1 of the gallery
+    (the queries of the tests below are classes 2 and 3: no query pair is the one whose score is the threshold)."""
+    import shutil
+
+    copy = tmp_path / "calibrated"
+    shutil.copytree(built["onnx"], copy)
+    labelled = tmp_path / "labelled"
+    for c in (0, 1):
+        shutil.copytree(built["gallery"] / f"class{c}", labelled / f"class{c}")
+    code, _, err = _main_capture(["index", "calibrate", "--index", str(copy), "--labelled", str(labelled),
+                                  "--fmr", "0.1"])
+    assert code == 0, err[-3000:]
+    return copy
+
+
+def _ids_and_marks(rows: list[dict]) -> list[tuple[str, list]]:
+    return [(r["query"], [(x["id"], x.get("match")) for x in r["results"]]) for r in rows]
+
+
+def test_calibrated_matches_and_threshold_with_onnx_equal_the_torch_runtimes(built, tmp_path):
+    """``search --runtime onnx`` on a calibrated index gives the torch runtime's ids and ``match`` flags (plain,
+    ``--matches_only``, and with a constant ``--threshold``), both flags occurring; CSV has the ``match`` column; and
+    ``serve --runtime onnx`` (the server's worker) flags its results as the search does."""
+    import base64
+
+    from lightning_dml.index import server as S
+
+    index = _calibrated_copy(built, tmp_path)
+    theta = json.loads((index / "manifest.json").read_text())["calibration"]["threshold"]
+    queries = [str(built["gallery"] / f"class{c}") for c in (2, 3)]
+    common = ["--index", str(index), "--k", "6"]
+    plain, torch_plain = _search([*common, "--runtime", "onnx", *queries]), _search([*common, *queries])
+    assert _ids_and_marks(plain) == _ids_and_marks(torch_plain)
+    scores = [x["score"] for r in plain for x in r["results"]]
+    marks = [x["match"] for r in plain for x in r["results"]]
+    # the runtimes' scores differ (float32 kernels of two engines); no score is that close to the threshold, so
+    # equal flags are what the definition gives, not luck (a random-init model: its cosines all lie near 1)
+    differ = max(abs(s - t) for s, t in zip(scores, [x["score"] for r in torch_plain for x in r["results"]]))
+    assert differ < 1e-5 and min(abs(s - theta) for s in scores) > 2 * differ
+    assert any(marks) and not all(marks)
+    assert all(m == (s > theta) for s, m in zip(scores, marks))
+    only = _search([*common, "--runtime", "onnx", "--matches_only", *queries])
+    assert _ids_and_marks(only) == _ids_and_marks(_search([*common, "--matches_only", *queries]))
+    assert sum(len(r["results"]) for r in only) == sum(marks)
+    distinct = sorted(set(scores))
+    widest = max(range(len(distinct) - 1), key=lambda i: distinct[i + 1] - distinct[i])
+    cut = (distinct[widest] + distinct[widest + 1]) / 2  # a constant threshold between two scores, far from both
+    assert min(abs(s - cut) for s in scores) > 2 * differ
+    with_threshold = _search([*common, "--runtime", "onnx", "--threshold", repr(cut), *queries])
+    assert _ids_and_marks(with_threshold) == _ids_and_marks(_search([*common, "--threshold", repr(cut), *queries]))
+    assert sum(len(r["results"]) for r in with_threshold) == sum(s >= cut for s in scores)
+    code, out, err = _main_capture(["search", *common, "--runtime", "onnx", "--format", "csv", queries[0]])
+    assert code == 0 and out.splitlines()[0] == "query,rank,id,path,label,score,match", err[-2000:]
+    images = sorted((built["gallery"] / "class2").iterdir())[:2]
+    api = S.SearchAPI(str(index), runtime="onnx")
+    api.setup("cpu")
+    payload = {"images": [base64.b64encode(p.read_bytes()).decode() for p in images], "single": False, "k": 6,
+               "rerank": None, "threshold": None, "adaptive": None, "matches_only": False}
+    served = api.predict([api.decode_request(payload)])[0]["batch"]
+    assert [[(x["id"], x["match"]) for x in r["results"]] for r in served] == \
+        [[(x["id"], x["match"]) for x in r["results"]] for r in plain[:2]]
+
+
+def test_width_index_built_and_searched_with_onnx_cuts_as_the_torch_runtime(built, tmp_path):
+    """``index build --runtime onnx --width 8``: the stored vectors are the full torch index's cut to 8 and
+    re-normalised (within the export tolerance); ``search --runtime onnx`` and the server's ONNX worker give the
+    ids of ``search`` (torch, which cuts with :class:`~lightning_dml.widths.LeadingDims`) on that folder."""
+    import base64
+
+    from lightning_dml.index import EmbeddingIndex
+    from lightning_dml.index import server as S
+
+    out = tmp_path / "w8"
+    code, _, err = _main_capture(["index", "build", "--config", str(built["root"] / "config.yaml"), "--ckpt_path",
+                                  str(built["root"] / "model.ckpt"), "--gallery", str(built["gallery"]), "--out",
+                                  str(out), "--runtime", "onnx", "--accelerator", "cpu", "--width", "8", *QUIET])
+    assert code == 0, err[-3000:]
+    index, full = EmbeddingIndex.load(out), EmbeddingIndex.load(built["torch"])
+    assert index.manifest.width == index.dim == 8
+    cut = torch.nn.functional.normalize(full.embeddings[:, :8], dim=1)
+    assert embedding_error(index.embeddings.numpy(), cut.numpy()) <= 1e-4
+    queries = [str(built["gallery"])]
+    onnx_rows = _search(["--index", str(out), "--k", "5", "--runtime", "onnx", *queries])
+    torch_rows = _search(["--index", str(out), "--k", "5", *queries])
+    assert [[x["id"] for x in r["results"]] for r in onnx_rows] == [[x["id"] for x in r["results"]] for r in torch_rows]
+    assert np.allclose([x["score"] for r in onnx_rows for x in r["results"]],
+                       [x["score"] for r in torch_rows for x in r["results"]], atol=1e-4)
+    api = S.SearchAPI(str(out), runtime="onnx")
+    api.setup("cpu")
+    image = built["gallery"] / "class1" / "3.png"
+    payload = {"images": [base64.b64encode(image.read_bytes()).decode()], "single": False, "k": 5, "rerank": None,
+               "threshold": None, "adaptive": None, "matches_only": False}
+    served = api.predict([api.decode_request(payload)])[0]["batch"]
+    expected = _search(["--index", str(out), "--k", "5", "--runtime", "onnx", str(image)])
+    assert [x["id"] for x in served[0]["results"]] == [x["id"] for x in expected[0]["results"]]
+
+
+def test_compressed_indexes_built_and_searched_with_onnx_give_the_torch_runtimes_ids(built, tmp_path):
+    """``index build --runtime onnx --vectors binary`` (Hamming scores: many ties, ordered by the smaller id) and
+    ``--vectors int8 --rescore 4``: ``search --runtime onnx`` gives the ids and scores of ``search`` (torch) on the
+    same folder, every gallery image a query, k = 6."""
+    queries = [str(built["gallery"])]
+    for name, options in (("binary", ["--vectors", "binary"]), ("int8", ["--vectors", "int8", "--rescore", "4"])):
+        out = tmp_path / name
+        code, _, err = _main_capture(["index", "build", "--config", str(built["root"] / "config.yaml"),
+                                      "--ckpt_path", str(built["root"] / "model.ckpt"), "--gallery",
+                                      str(built["gallery"]), "--out", str(out), "--runtime", "onnx", "--accelerator",
+                                      "cpu", *options, *QUIET])
+        assert code == 0, err[-3000:]
+        assert json.loads((out / "manifest.json").read_text())["options"]["vectors"] == name
+        onnx_rows = _search(["--index", str(out), "--k", "6", "--runtime", "onnx", *queries])
+        torch_rows = _search(["--index", str(out), "--k", "6", *queries])
+        assert [[x["id"] for x in r["results"]] for r in onnx_rows] == \
+            [[x["id"] for x in r["results"]] for r in torch_rows], name
+        assert np.allclose([x["score"] for r in onnx_rows for x in r["results"]],
+                           [x["score"] for r in torch_rows for x in r["results"]], atol=1e-4), name
+        if name == "binary":  # integer scores: ties at the k-th place occur, and are settled by the smaller id
+            assert any(r["results"][4]["score"] == r["results"][5]["score"] for r in onnx_rows)
+
+
+def test_the_arrays_tie_rule_is_the_indexs():
+    """:func:`~lightning_dml.index.faiss_search.best_k_arrays` (NumPy, the ONNX path's) and
+    :func:`~lightning_dml.index.index.best_k` (torch) give the same results, and both the brute-force order (score
+    descending, then the smaller id), from a store returning its top-n in a scrambled order of ties, for every k."""
+    from lightning_dml.index.faiss_search import best_k_arrays
+    from lightning_dml.index.index import best_k
+
+    rng = np.random.default_rng(0)
+    scores = rng.integers(0, 4, (5, 12)).astype(np.float32)  # 4 distinct values over 12 items: many ties
+    ids = np.stack([rng.permutation(12) for _ in range(5)]).astype(np.int64)
+
+    def store(x: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:  # top-n by score, ties in the row's order
+        rows = x[:, 0].astype(int)
+        order = np.argsort(-scores[rows], axis=1, kind="stable")[:, :n]
+        return np.take_along_axis(scores[rows], order, 1), np.take_along_axis(ids[rows], order, 1)
+
+    x = np.arange(5, dtype=np.float32)[:, None]
+    for k in (1, 3, 5, 12, 14):
+        got = best_k_arrays(store, x, k, 12)
+        theirs = best_k(lambda q, n: tuple(map(torch.from_numpy, store(q, n))), x, k, 12)
+        assert np.array_equal(got[0], theirs[0].numpy()) and np.array_equal(got[1], theirs[1].numpy())
+        for q in range(5):
+            brute = sorted(zip(-scores[q], ids[q]))[:k]
+            assert got[1][q, : len(brute)].tolist() == [int(i) for _, i in brute]
+            assert (got[1][q, len(brute):] == -1).all()
+
+
+def test_device_cuda_without_the_cuda_provider_is_one_line(built):
+    """``search --runtime onnx --device cuda`` where onnxruntime has no CUDAExecutionProvider (this CPU machine):
+    one line naming what is missing; with the provider, it is the session's first."""
+    import onnxruntime as ort
+
+    from lightning_dml.onnx.folder_search import FolderSearch
+
+    query = str(built["gallery"] / "class0" / "0.png")
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        embedder = FolderSearch.load(built["onnx"]).embedder(device="cuda")
+        assert embedder.session.get_providers()[0] == "CUDAExecutionProvider" and embedder.device == "cuda"
+    else:
+        line = _one_error(["search", "--index", str(built["onnx"]), "--runtime", "onnx", "--device", "cuda", query])
+        assert "--device cuda: this onnxruntime has no CUDAExecutionProvider" in line

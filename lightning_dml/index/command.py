@@ -190,9 +190,7 @@ def _build_onnx(args: argparse.Namespace, out: Path) -> None:
     from lightning_dml.onnx.build import build_index_onnx
 
     given = (("--devices", args.devices != 1), ("--strategy", args.strategy != "auto"),
-             ("--num_workers", args.num_workers != 0), ("--width", getattr(args, "width", None) is not None),
-             ("--vectors", getattr(args, "vectors", None) not in (None, "float32")),
-             ("--rescore", getattr(args, "rescore", None) is not None))
+             ("--num_workers", args.num_workers != 0))
     torch_only = [option for option, set_ in given if set_]
     if torch_only:
         raise IndexCommandError(f"{torch_only[0]} is an option of the torch runtime (Lightning's predict loop or the "
@@ -200,7 +198,7 @@ def _build_onnx(args: argparse.Namespace, out: Path) -> None:
     device = {"gpu": "cuda"}.get(args.accelerator, args.accelerator)
     index = build_index_onnx(args.config, args.ckpt_path, args.gallery, args.kind, out, split=args.split,
                              shards=args.shards, device=device, batch_size=args.batch_size, overwrite=args.overwrite,
-                             lock_timeout=args.lock_timeout, **_kind_options(args))
+                             lock_timeout=args.lock_timeout, width=args.width, **_kind_options(args))
     print(f"lightning-dml index: {len(index)} items indexed ({index.kind}, {index.metric}, size {index.dim}, "
           f"embedded by ONNX Runtime) in {out}")
 

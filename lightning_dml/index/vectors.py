@@ -33,16 +33,17 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
-from torch import Tensor
 
 from lightning_dml.errors import UserInputError
 
+if TYPE_CHECKING:
+    from torch import Tensor
+
 __all__ = ["VECTORS", "VectorsOptionError", "check_vectors", "index_bytes", "make_codes_index", "rescore",
-           "rescore_count", "vector_options"]
+           "rescore_arrays", "rescore_count", "vector_options"]
 
 #: the vector formats of ``index build --vectors`` (float32: the default, the vectors themselves)
 VECTORS = ("float32", "int8", "binary")
@@ -112,11 +113,20 @@ def make_codes_index(vectors: str, d: int, metric: int, train: np.ndarray | None
 
 def rescore(queries: np.ndarray, ids: Tensor, stored: np.ndarray, rows_of: Any, metric: str,
             k: int) -> tuple[Tensor, Tensor]:
+    """:func:`rescore_arrays` of candidate ids in a tensor, its results as tensors (on the CPU)."""
+    import torch  # here: this module is imported by the torch-free ONNX search path (lightning_dml.onnx)
+
+    scores, best = rescore_arrays(queries, ids.cpu().numpy(), stored, rows_of, metric, k)
+    return torch.from_numpy(scores), torch.from_numpy(best)
+
+
+def rescore_arrays(queries: np.ndarray, ids: np.ndarray, stored: np.ndarray, rows_of: Any, metric: str,
+                   k: int) -> tuple[np.ndarray, np.ndarray]:
     """The best ``k`` of the candidate ``ids [Q, N]`` (``-1``: none) of ``queries [Q, D]`` (float32, prepared as
     the index compares them) by their exact float64 score against ``stored`` (the full-precision vectors, in table
     order, e.g. a memory map: only the candidates' rows are read), then by the smaller id: ``(scores [Q, k]
     float32, ids [Q, k] int64)``, ``-inf`` / ``-1`` padding. ``rows_of(ids)``: table rows of ids."""
-    ids_np = ids.cpu().numpy().astype(np.int64, copy=False)
+    ids_np = np.asarray(ids).astype(np.int64, copy=False)
     q_count, n = ids_np.shape
     out_scores = np.full((q_count, k), -np.inf, dtype=np.float32)
     out_ids = np.full((q_count, k), -1, dtype=np.int64)
@@ -141,7 +151,7 @@ def rescore(queries: np.ndarray, ids: Tensor, stored: np.ndarray, rows_of: Any, 
         out_scores[start:start + chunk, :width] = np.take_along_axis(exact, order, 1)
         picked = np.take_along_axis(cand, order, 1)
         out_ids[start:start + chunk, :width] = np.where(np.take_along_axis(valid, order, 1), picked, -1)
-    return torch.from_numpy(out_scores), torch.from_numpy(out_ids)
+    return out_scores, out_ids
 
 
 def index_bytes(index: Any) -> int:

@@ -7,7 +7,9 @@
 * :mod:`lightning_dml.onnx.runtime` (no torch): :class:`~lightning_dml.onnx.runtime.OnnxEmbedder`, the image
   preprocessing of the index (PIL and NumPy) and an ``onnxruntime`` session (CPU, or CUDA where available);
 * :mod:`lightning_dml.onnx.folder_search` (no torch): an index folder's faiss files and table searched from NumPy
-  queries, and :mod:`lightning_dml.onnx.search`, the command ``lightning-dml search --runtime onnx`` on them;
+  queries (float32 or compressed vectors, :mod:`lightning_dml.index.faiss_search`), :mod:`lightning_dml.onnx.cuts`
+  (``--threshold`` and the calibrated ``match`` flags on arrays), and :mod:`lightning_dml.onnx.search`, the command
+  ``lightning-dml search --runtime onnx`` on them;
 * :mod:`lightning_dml.onnx.build` (``index build --runtime onnx``) and :mod:`lightning_dml.onnx.serve` (``serve
   --runtime onnx``), which need torch (the checkpoint, the server's search).
 

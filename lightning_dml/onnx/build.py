@@ -5,7 +5,10 @@ of Lightning's predict loop: the checkpoint's embedding model is exported to ONN
 the gallery's first images (:func:`~lightning_dml.onnx.export.export_onnx`: the export fails beyond its tolerance),
 the gallery is embedded by :class:`~lightning_dml.onnx.runtime.OnnxEmbedder` (one process; ``device``: cpu, cuda or
 auto), and the folder gets, beside the files of every index (the safe-format model included, so ``index add`` and
-``search --runtime torch`` work on it), ``embedding_model.onnx`` and ``onnx_export.json``.
+``search --runtime torch`` work on it), ``embedding_model.onnx`` and ``onnx_export.json``. ``width`` (``index build
+--width``) keeps the leading dimensions of the embeddings as :func:`~lightning_dml.index.build.build_index` does
+(recorded in the manifest: the ONNX and torch embedders of the folder cut every query the same way); the kind's
+options include the compressed vectors of :mod:`lightning_dml.index.vectors` (``vectors``, ``rescore``).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ def build_index_onnx(
     batch_size: int = 128,
     overwrite: bool = True,
     lock_timeout: float = 600.0,
+    width: int | None = None,
     **kind_options: Any,
 ) -> Any:
     """The :class:`~lightning_dml.index.EmbeddingIndex` of ``gallery`` embedded by ONNX Runtime (module docstring),
@@ -47,6 +51,7 @@ def build_index_onnx(
     from lightning_dml.index.gallery import read_items
     from lightning_dml.index.index import MODEL, EmbeddingIndex, IndexTable, _stat
     from lightning_dml.onnx.export import export_onnx
+    from lightning_dml.widths import cut
 
     items = read_items(gallery, split)
     module, datamodule, record = load_checkpoint_model(config, ckpt_path)
@@ -59,13 +64,13 @@ def build_index_onnx(
         samples = torch.from_numpy(np.stack([transform.read(p) for p in items.paths[:2]]))
         export_onnx(model, samples, staging)
         embedder = OnnxEmbedder(staging / ONNX_MODEL, spec_record, preprocess, device=device, batch_size=batch_size)
-        embeddings = embedder(items.paths)
+        embeddings = cut(torch.from_numpy(embedder(items.paths)), width, "index build --width")
         stats = [_stat(str(p)) for p in items.paths]
         table = IndexTable(range(len(items)), [str(p) for p in items.paths], items.labels,
                            [s for s, _ in stats], [m for _, m in stats])
         manifest = {"checkpoint": record, "input_spec": spec_record, "preprocess": preprocess, "model": MODEL,
-                    "gallery": [str(Path(gallery).expanduser().absolute())]}
-        index = EmbeddingIndex.build(torch.from_numpy(embeddings), table, kind=kind, metric=embedding_metric(module),
+                    "gallery": [str(Path(gallery).expanduser().absolute())], "width": width}
+        index = EmbeddingIndex.build(embeddings, table, kind=kind, metric=embedding_metric(module),
                                      manifest=manifest, shards=shards, **kind_options)
         if out is None:
             return index

@@ -138,11 +138,13 @@ class OnnxEmbedder:
     """Embeds images (paths or PIL images) with an ONNX model: ``embedder(images)`` -> raw embeddings ``[N, D]``
     float32 (NumPy), in batches of ``batch_size``; ``embed_pixels`` embeds model inputs (``PixelTransform``'s).
 
-    ``device``: ``cpu``, ``cuda`` or ``auto`` (:func:`providers_for`). An unreadable query is one
-    :class:`~lightning_dml.errors.UserInputError` naming it, as with the PyTorch embedder."""
+    ``device``: ``cpu``, ``cuda`` or ``auto`` (:func:`providers_for`). ``width``: keep the leading ``width``
+    dimensions of each embedding (an index built with ``index build --width``, as the torch embedder's
+    :class:`~lightning_dml.widths.LeadingDims`; the search normalises them for ``cosine``). An unreadable query is
+    one :class:`~lightning_dml.errors.UserInputError` naming it, as with the PyTorch embedder."""
 
     def __init__(self, model_path: str | os.PathLike, input_spec: dict[str, Any], preprocess: dict[str, Any],
-                 device: str = "cpu", batch_size: int = 64) -> None:
+                 device: str = "cpu", batch_size: int = 64, width: int | None = None) -> None:
         ort = onnxruntime_module()
         model_path = Path(model_path)
         if not model_path.is_file():
@@ -159,6 +161,7 @@ class OnnxEmbedder:
         self.transform = PixelTransform(input_spec, preprocess)
         self.mode = self.transform.mode
         self.batch_size = int(batch_size)
+        self.width = None if width is None else int(width)
         self.device = "cuda" if self.providers[0] == "CUDAExecutionProvider" else "cpu"
 
     def pixels(self, image: str | os.PathLike | Image.Image) -> np.ndarray:
@@ -171,7 +174,12 @@ class OnnxEmbedder:
                                      dtype=np.float32)
         out = [self.session.run(None, {self.input_name: batch[s : s + self.batch_size]})[0]
                for s in range(0, len(batch), self.batch_size)]
-        return np.concatenate(out).astype(np.float32, copy=False)
+        out = np.concatenate(out).astype(np.float32, copy=False)
+        if self.width is None:
+            return out
+        if self.width > out.shape[1]:
+            raise OnnxRuntimeError(f"width {self.width} exceeds the ONNX model's embedding width D = {out.shape[1]}")
+        return out[:, : self.width]
 
     def __call__(self, images: Sequence[str | os.PathLike | Image.Image]) -> np.ndarray:
         images = list(images)

@@ -4,7 +4,8 @@
 the shape of the :class:`~lightning_dml.index.embed.ImageEmbedder` the server's worker uses (``mode``, ``transform``
 of a PIL image to the model input, ``model`` of a batch, ``device``, ``batch_size``): the pixels are
 :class:`~lightning_dml.onnx.runtime.PixelTransform`'s (equal to the torch runtime's), the embeddings ONNX Runtime's,
-handed to the same search, re-ranking and cuts as tensors.
+handed to the same search, re-ranking, cuts and calibrated ``match`` flags as tensors; an index built with
+``--width`` gets its queries cut to that width (the embedder's ``width``, from the manifest).
 """
 
 from __future__ import annotations
