@@ -152,7 +152,9 @@ class MatryoshkaLoss(nn.Module):
             self.register_load_state_dict_pre_hook(_copies_from_state_dict)
         else:
             if tied:
-                raise ValueError(f"{where}: tied=True (MRL-E) ties proxies across widths; {type(loss).__name__} has none")
+                raise ValueError(
+                    f"{where}: tied=True (MRL-E) ties proxies across widths; {type(loss).__name__} has none"
+                )
             if not isinstance(loss, PairLoss):
                 raise ValueError(
                     f"{where} cannot wrap {type(loss).__name__}: it is not a pair loss. Wrap the MatryoshkaLoss in "
@@ -198,7 +200,7 @@ class MatryoshkaLoss(nn.Module):
             copies.append(loss)
         self.losses = nn.ModuleList(copies)
 
-    # ------------------------------------------------------------------ sizes (DMLModule's interface of losses with parameters)
+    # ------------------------------------------------------------------ sizes (DMLModule's interface)
     @property
     def num_classes(self) -> int | None:
         """The number of classes of the wrapped loss (per width, the same)."""
