@@ -5,14 +5,20 @@ The gallery is embedded by :func:`~lightning_dml.index.embed.predict_embeddings`
 DDP, workers, progress bar as ``lightning-dml predict``), with the evaluation transform of the config's data module
 and the backbone's input spec, and the embedding model is exported (the safe format: tensors and a JSON record
 of the architecture) into the index folder, so adding and searching later need neither the config nor the
-checkpoint.
+checkpoint. Lightning's device and process lines ("GPU available: ...", "TPU available: ...") and a deprecation
+warning torch raises inside Lightning on every batch are not shown (:func:`quiet_lightning`): a build prints its own
+summary line only (and Lightning's progress bar).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
 import tempfile
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +31,37 @@ from lightning_dml.index.index import MODEL, EmbeddingIndex, IndexTable, _stat
 from lightning_dml.index.manifest import IndexFolderError, Manifest
 from lightning_dml.widths import cut
 
-__all__ = ["add_gallery", "build_index"]
+__all__ = ["QUIET_LOGGERS", "add_gallery", "build_index", "quiet_lightning"]
+
+#: Lightning's loggers of its device and process information (``INFO`` records, dropped by :func:`quiet_lightning`):
+#: ``rank_zero_info``'s ("GPU available: False, used: False", "TPU available: ...", DDP's "distributed_backend=...
+#: All distributed processes registered"), the CUDA accelerator's "LOCAL_RANK: 0 - CUDA_VISIBLE_DEVICES: [0]" and
+#: Fabric's "Initializing distributed: GLOBAL_RANK: ..."
+QUIET_LOGGERS = ("pytorch_lightning.utilities.rank_zero", "lightning_fabric.utilities.rank_zero",
+                 "pytorch_lightning.accelerators.cuda", "lightning_fabric.utilities.distributed")
+
+
+@contextlib.contextmanager
+def quiet_lightning() -> Iterator[None]:
+    """Within the block, Lightning's device and process lines are not shown (the loggers :data:`QUIET_LOGGERS` at
+    level ``WARNING`` at least: Python logging's public way; Lightning's warnings and errors still show) and
+    neither is torch's "``isinstance(treespec, LeafSpec)`` is deprecated", which Lightning's own ``_pytree`` raises
+    on every batch (:func:`lightning_dml.cli.quiet_dependency_warnings`: that message from that module only).
+    Both are restored on exit. For a predict loop that is a step of a command (``index build``), not a run the
+    user configured: ``fit``/``test``/``predict`` keep Lightning's lines."""
+    from lightning_dml.cli import quiet_dependency_warnings
+
+    loggers = [logging.getLogger(name) for name in QUIET_LOGGERS]
+    levels = [log.level for log in loggers]
+    with warnings.catch_warnings():
+        quiet_dependency_warnings()
+        for log in loggers:
+            log.setLevel(max(log.getEffectiveLevel(), logging.WARNING))
+        try:
+            yield
+        finally:
+            for log, level in zip(loggers, levels):
+                log.setLevel(level)
 
 
 def build_index(
@@ -63,13 +99,14 @@ def build_index(
     :class:`~lightning_dml.widths.WidthError` (after the embedding: the model's width is known then).
     """
     items = read_items(gallery, split)
-    module, datamodule, record = load_checkpoint_model(config, ckpt_path)
-    spec, preprocess = preprocessing(module, datamodule)
-    metric = embedding_metric(module)
-    embeddings = predict_embeddings(
-        module, items.paths, spec, preprocess, accelerator=accelerator, devices=devices, strategy=strategy,
-        num_workers=num_workers, batch_size=batch_size, progress=progress,
-    )
+    with quiet_lightning():
+        module, datamodule, record = load_checkpoint_model(config, ckpt_path)
+        spec, preprocess = preprocessing(module, datamodule)
+        metric = embedding_metric(module)
+        embeddings = predict_embeddings(
+            module, items.paths, spec, preprocess, accelerator=accelerator, devices=devices, strategy=strategy,
+            num_workers=num_workers, batch_size=batch_size, progress=progress,
+        )
     if embeddings is None:
         return None
     if width is not None:  # nested widths: the leading dimensions, normalised (cosine) by EmbeddingIndex.build

@@ -316,5 +316,10 @@ def _calibrate(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     """``lightning-dml index ACTION ...`` (see the module docstring)."""
     args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.action == "build":  # every runtime and store: no "GPU available" lines (lightning_dml.index.build)
+        from lightning_dml.index.build import quiet_lightning
+
+        with quiet_lightning():
+            return _build(args)
     {"build": _build, "add": _add, "evaluate": _evaluate, "status": _status,
      "calibrate": _calibrate}[args.action](args)

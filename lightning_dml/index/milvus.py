@@ -694,6 +694,7 @@ def build_milvus_index(
     import dataclasses
 
     from lightning_dml.export import export_embedding_model
+    from lightning_dml.index.build import quiet_lightning
     from lightning_dml.index.embed import embedding_metric, load_checkpoint_model, predict_embeddings, preprocessing
     from lightning_dml.index.gallery import read_items
     from lightning_dml.index.index import _stat
@@ -704,12 +705,13 @@ def build_milvus_index(
         raise MilvusStoreError(f"--uri {uri}: give --model_dir, a local folder for the exported model (a Milvus "
                                "server holds vectors, not models)")
     items = read_items(gallery, split)
-    module, datamodule, record = load_checkpoint_model(config, ckpt_path)
-    spec, preprocess = preprocessing(module, datamodule)
-    embeddings = predict_embeddings(
-        module, items.paths, spec, preprocess, accelerator=accelerator, devices=devices, strategy=strategy,
-        num_workers=num_workers, batch_size=batch_size, progress=progress,
-    )
+    with quiet_lightning():  # no "GPU available: ..." lines (lightning_dml.index.build)
+        module, datamodule, record = load_checkpoint_model(config, ckpt_path)
+        spec, preprocess = preprocessing(module, datamodule)
+        embeddings = predict_embeddings(
+            module, items.paths, spec, preprocess, accelerator=accelerator, devices=devices, strategy=strategy,
+            num_workers=num_workers, batch_size=batch_size, progress=progress,
+        )
     if embeddings is None:
         return None
     stats = [_stat(str(p)) for p in items.paths]
