@@ -14,7 +14,8 @@ then tested on the 93 unseen test classes), with only the loss and the embedding
 ``--loss proxy_anchor`` (any registered loss) replaces Multi-Similarity in every run: with a loss with parameters the
 Matryoshka model has one proxy matrix per width (Eq. 1's ``W^(m)``), or with ``--tied`` one ``D``-wide matrix whose
 leading ``d`` columns serve width ``d`` (MRL-E, Sec. 3). The loss's learning rate is the protocol's, the same for
-all (``loss_lr_multiplier`` 1, as bench/ranking.py's Proxy-Anchor row).
+all (``loss_lr_multiplier`` 1, as bench/ranking.py's Proxy-Anchor row), unless ``--loss_lr_multiplier`` (100:
+Proxy-Anchor's paper).
 
 Usage::
 
@@ -49,13 +50,15 @@ from bench.ranking import run_args  # noqa: E402  (the ranking's protocol: one p
 def run(
     seed: int, steps: int, root: str, width: int, widths: list[int] | None, loss: str = "multi_similarity",
     tied: bool = False,
+    loss_lr_multiplier: float = 1.0,
 ) -> dict[str, Any]:
     """Train and test one model of embedding width ``width`` with ``loss``; ``widths``: train it with MatryoshkaLoss
     over ``loss`` at those widths (``tied``: MRL-E). Returns ``{"metrics": {key: value}, "seconds": s}`` (the test
     metrics, per width ``w<d>/...``)."""
     from lightning_dml.cli import build_cli
 
-    args = run_args(loss, seed, steps, root) + ["--model.embedding_dim", str(width), "--model.clustering", "false"]
+    args = run_args(loss, seed, steps, root) + ["--model.embedding_dim", str(width), "--model.clustering", "false",
+                                                "--model.loss_lr_multiplier", str(loss_lr_multiplier)]
     evaluated = [d for d in (widths or WIDTHS_OF_FIXED.get(width, [])) if d < width]
     if evaluated:
         args += ["--model.metric_widths", str(evaluated)]
@@ -122,6 +125,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--merge", nargs="+", default=None, help="no runs: the table from these runs' stderr logs")
     parser.add_argument("--loss", default="multi_similarity", help="the registered loss of every run")
     parser.add_argument("--tied", action="store_true", help="Matryoshka run: one tied proxy matrix (MRL-E)")
+    parser.add_argument("--loss_lr_multiplier", type=float, default=1.0, help="the loss parameters' lr multiplier")
     args = parser.parse_args(argv)
     widths = sorted(set(args.widths))
     if args.steps < 1 or widths[0] < 1:
@@ -139,11 +143,15 @@ def main(argv: list[str] | None = None) -> str:
     chosen = ["matryoshka", *[str(d) for d in widths]] if args.runs is None else args.runs
     for seed in [] if args.merge else args.seeds:
         if "matryoshka" in chosen:
-            results["matryoshka"].append(run(seed, args.steps, args.root, max(widths), widths, args.loss, args.tied))
+            results["matryoshka"].append(run(
+                seed, args.steps, args.root, max(widths), widths, args.loss, args.tied, args.loss_lr_multiplier
+            ))
             print(f"# matryoshka seed {seed}: {results['matryoshka'][-1]}", file=sys.stderr, flush=True)
         for d in widths:
             if str(d) in chosen:
-                results[f"fixed {d}"].append(run(seed, args.steps, args.root, d, None, args.loss))
+                results[f"fixed {d}"].append(run(
+                    seed, args.steps, args.root, d, None, args.loss, loss_lr_multiplier=args.loss_lr_multiplier
+                ))
                 print(f"# fixed {d} seed {seed}: {results[f'fixed {d}'][-1]}", file=sys.stderr, flush=True)
     if not args.merge and any(not runs for runs in results.values()):
         return ""  # a part of the runs (--runs): the table comes from --merge of the logs
