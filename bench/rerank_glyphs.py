@@ -34,8 +34,19 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {"ConcatSiamese (STIR)": ROOT / "configs" / "rerank" / "glyphs.yaml",
-           "FeatureDistanceSiamese": ROOT / "configs" / "rerank" / "glyphs_feature.yaml"}
+RERANK = ROOT / "configs" / "rerank"
+#: row name -> (re-ranker config, extra fit arguments, folder tag)
+CONFIGS = {
+    "ConcatSiamese (STIR)": (RERANK / "glyphs.yaml", [], "concat"),
+    "FeatureDistanceSiamese": (RERANK / "glyphs_feature.yaml", [], "feature"),
+    "ConcatSiamese residual, 20% classes held out": (RERANK / "glyphs_residual.yaml", [], "concat_residual_val"),
+    "ConcatSiamese residual, no validation": (RERANK / "glyphs_residual.yaml", ["--data.val_classes", "0"],
+                                              "concat_residual"),
+    "FeatureDistanceSiamese residual, 20% classes held out": (RERANK / "glyphs_feature_residual.yaml", [],
+                                                              "feature_residual_val"),
+    "FeatureDistanceSiamese residual, no validation": (RERANK / "glyphs_feature_residual.yaml",
+                                                       ["--data.val_classes", "0"], "feature_residual"),
+}
 
 
 def _run(args: list[str]) -> None:
@@ -55,10 +66,11 @@ def base_model(root: Path) -> tuple[Path, Path]:
     return config, ckpt
 
 
-def fit_reranker(config: Path, base_config: Path, base_ckpt: Path, seed: int, out: Path, epochs: int | None) -> Path:
+def fit_reranker(config: Path, base_config: Path, base_ckpt: Path, seed: int, out: Path, epochs: int | None,
+                 extra: list[str]) -> Path:
     folder = out / "reranker"
     if not (folder / "reranker.json").is_file():
-        extra = [] if epochs is None else ["--trainer.max_epochs", str(epochs)]
+        extra = [*extra, *([] if epochs is None else ["--trainer.max_epochs", str(epochs)])]
         _run(["fit", "--config", str(config), "--data.base_config", str(base_config), "--data.base_checkpoint",
               str(base_ckpt), "--seed_everything", str(seed), "--trainer.default_root_dir", str(out),
               "--model.output", str(folder), "--trainer.logger", "false", "--trainer.enable_progress_bar", "false",
@@ -89,7 +101,7 @@ def evaluate(embeddings, images, labels, metric: str, top_n: int, folder: Path |
     r = (labels.unsqueeze(1) == labels.unsqueeze(0)).sum(1) - 1
     length = min(max(int(r.max()), top_n, 1), labels.numel() - 1)
     start = time.perf_counter()
-    _, ranked = MF.knn(embeddings, None, k=length, metric=metric)
+    base, ranked = MF.knn(embeddings, None, k=length, metric=metric)
     search_s = time.perf_counter() - start
     relevance = (ranked >= 0) & (labels[ranked.clamp_min(0)] == labels.unsqueeze(1))
     hit = relevance.any(dim=1)
@@ -101,7 +113,8 @@ def evaluate(embeddings, images, labels, metric: str, top_n: int, folder: Path |
     model = load_reranker(folder, device)
     items = (as_stored(embeddings, metric) if model.inputs == "embeddings" else images).to(device)
     start = time.perf_counter()
-    perm = rerank_ranked(model, ranked.to(device), items, lambda pos: items[pos.clamp_min(0)], n).cpu()
+    perm = rerank_ranked(model, ranked.to(device), items, lambda pos: items[pos.clamp_min(0)], n,
+                         base.to(device)).cpu()
     if device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
@@ -115,7 +128,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--top_n", type=int, default=10, help="re-scored neighbours per test query")
     parser.add_argument("--epochs", type=int, default=None, help="re-ranker epochs (default: the config's)")
-    parser.add_argument("--models", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--models", nargs="+", default=list(CONFIGS)[:2], choices=list(CONFIGS))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     os.environ.setdefault("WANDB_MODE", "offline")
@@ -124,9 +137,9 @@ def main() -> None:
     results = {"base": evaluate(embeddings, images, labels, metric, args.top_n, None, args.device)}
     for name in args.models:
         for seed in args.seeds:
-            tag = "concat" if "Concat" in name else "feature"
-            folder = fit_reranker(CONFIGS[name], base_config, base_ckpt, seed, args.out.resolve() / f"{tag}_{seed}",
-                                  args.epochs)
+            config, extra, tag = CONFIGS[name]
+            folder = fit_reranker(config, base_config, base_ckpt, seed, args.out.resolve() / f"{tag}_{seed}",
+                                  args.epochs, extra)
             results[f"{name} seed {seed}"] = evaluate(embeddings, images, labels, metric, args.top_n, folder,
                                                       args.device)
     rows = ["| model | Recall@1 | MAP@R | ms / query |", "| --- | ---: | ---: | ---: |"]

@@ -355,3 +355,18 @@ def test_an_index_the_reranker_cannot_serve_is_refused(setup, tmp_path):
     from_tensors = EmbeddingIndex.build(torch.randn(6, 16), kind="flat")
     with pytest.raises(RerankOptionError, match="records no checkpoint sha256"):
         parse_rerank(f"pairwise:model={setup['rr']},top_n=3").check_index(from_tensors)
+
+
+def test_an_untrained_residual_reranker_searches_as_the_base_and_refuses_a_chain(setup, tmp_path):
+    """Through ``search``: an untrained residual re-ranker's lists are the index's (ids and order); after a
+    training-free re-ranker it is refused in one line (it adds to the base search's scores it was trained on)."""
+    save_reranker(FeatureDistanceSiamese(16, residual=True), tmp_path / "res",
+                  base_checkpoint_sha256=checkpoint_record(setup["ckpt"])["sha256"])
+    searched = _search(setup, f"pairwise:model={tmp_path / 'res'},top_n=10", 12)
+    base = _search(setup, None, 12)
+    assert {q: [r["id"] for r in rows] for q, rows in searched.items()} == {
+        q: [r["id"] for r in rows] for q, rows in base.items()}
+    query = str(setup["root"] / "queries" / "class0" / "0.png")
+    line = _one_error(["search", "--index", str(setup["flat"]), "--k", "3", query, "--rerank",
+                       f"aqe:alpha=3,n=2+pairwise:model={tmp_path / 'res'},top_n=3"])
+    assert "is residual" in line and "not after aqe" in line

@@ -145,7 +145,8 @@ def rerank_test_set(reranker: Any, data: dict[str, Any], metric: str, recall_at:
             return pixels(q_rows[sl].unsqueeze(1)).squeeze(1)
 
         fn = pixels
-    perm = rerank_ranked(model, ranked.to(device), q_in, fn, top_n).to(ranked.device)
+    base = stats.scores / float(stats.score_scale)  # the exact engine's scores, in the metric's own units
+    perm = rerank_ranked(model, ranked.to(device), q_in, fn, top_n, base.to(device)).to(ranked.device)
     values = permuted_metrics(perm, stats.relevance, stats.num_relevant, stats.first_positive_rank, recall_at)
     n = perm.shape[1]
     ranked = torch.cat([ranked[:, :n].gather(1, perm), ranked[:, n:]], 1)

@@ -113,11 +113,15 @@ def rerank_top_n(scores: Tensor, ids: Tensor, logits: Tensor) -> tuple[Tensor, T
 
 
 def score_pairs(model: Any, query_inputs: Tensor | Callable[[slice], Tensor], candidate_fn: InputsFn,
-                ids: Tensor) -> Tensor:
+                ids: Tensor, base: Tensor | None = None) -> Tensor:
     """The re-ranker's logits ``[Q, n]`` of each query (``query_inputs [Q, ...]``, or a function of a slice of the
     queries giving theirs) with its candidates ``ids
     [Q, n]`` (``-1``: padding, logit ``-inf``), whose inputs ``candidate_fn(ids [B, n]) -> [B, n, ...]`` gives; in
-    blocks of at most :data:`PAIR_BLOCK` pairs (whole queries; at least one), without gradients."""
+    blocks of at most :data:`PAIR_BLOCK` pairs (whole queries; at least one), without gradients. ``base [Q, n]``:
+    the base ranking's scores of these pairs, handed to a residual re-ranker (``model.residual``; required then)."""
+    residual = bool(getattr(model, "residual", False))
+    if residual and (base is None or tuple(base.shape) != tuple(ids.shape)):
+        raise ValueError(f"a residual pairwise re-ranker needs the base scores {tuple(ids.shape)} of its pairs")
     q, n = ids.shape
     out = torch.full((q, n), float("-inf"), dtype=torch.float32, device=ids.device)
     if q == 0 or n == 0:
@@ -129,7 +133,11 @@ def score_pairs(model: Any, query_inputs: Tensor | Callable[[slice], Tensor], ca
             block_ids = ids[sl]
             candidates = candidate_fn(block_ids)
             q_in = query_inputs(sl) if callable(query_inputs) else query_inputs[sl]
-            logits = model.score(q_in, candidates)
+            if residual:  # padding's -inf base scores: any finite value, its logit is masked below
+                block_base = torch.where(block_ids >= 0, base[sl].to(ids.device).double(), 0.0)
+                logits = model.score(q_in, candidates, base=block_base)
+            else:
+                logits = model.score(q_in, candidates)
             if tuple(logits.shape) != tuple(block_ids.shape):
                 raise ValueError(f"the pairwise re-ranker returned scores of shape {tuple(logits.shape)} for "
                                  f"{tuple(block_ids.shape)} pairs")
@@ -137,13 +145,15 @@ def score_pairs(model: Any, query_inputs: Tensor | Callable[[slice], Tensor], ca
     return out
 
 
-def rerank_ranked(model: Any, ranked: Tensor, query_inputs: Tensor | Callable[[slice], Tensor], candidate_fn: InputsFn, top_n: int
-                  ) -> Tensor:
+def rerank_ranked(model: Any, ranked: Tensor, query_inputs: Tensor | Callable[[slice], Tensor], candidate_fn: InputsFn, top_n: int,
+                  scores: Tensor | None = None) -> Tensor:
     """The permutation ``perm [Q, n]`` (``n = min(top_n, L)``) that the re-ranker gives the first ``n`` of ranked
     lists ``ranked [Q, L]`` (gallery positions or ids, ``-1`` padding): apply it to the lists and to anything per
-    position (relevance flags) with ``x[:, :n].gather(1, perm)`` (what :func:`rerank_top_n` does to a search)."""
+    position (relevance flags) with ``x[:, :n].gather(1, perm)`` (what :func:`rerank_top_n` does to a search).
+    ``scores [Q, L]``: the lists' base scores (a residual re-ranker needs them)."""
     n = min(int(top_n), ranked.shape[1])
-    logits = score_pairs(model, query_inputs, candidate_fn, ranked[:, :n])
+    logits = score_pairs(model, query_inputs, candidate_fn, ranked[:, :n],
+                         None if scores is None else scores[:, :n])
     _, _, perm = rerank_top_n(torch.zeros(ranked.shape, dtype=torch.float64, device=ranked.device), ranked, logits)
     return perm
 
@@ -259,7 +269,11 @@ class PairwiseRerank(Reranker):
                                         "are needed (search images, not embeddings)")
             q_in, fn = query_inputs, candidate_fn
         n = min(self.top_n, ids.shape[1])
-        logits = score_pairs(model, q_in, fn, ids[:, :n])
+        if getattr(model, "residual", False) and self.first is not None:
+            raise RerankOptionError(f"--rerank {self.spec()}: the re-ranker model={self.model} is residual (it adds "
+                                    "to the base model's scores): it re-ranks the base search alone, not after "
+                                    f"{self.first.name}, whose scores it was not trained on")
+        logits = score_pairs(model, q_in, fn, ids[:, :n], scores[:, :n])
         scores, ids, _ = rerank_top_n(scores, ids, logits)
         return scores[:, :k], ids[:, :k]
 
@@ -463,7 +477,7 @@ def pairwise_metrics(
     n_rank = len(index) - (1 if loo else 0)
     r = (ql.unsqueeze(1) == gl.unsqueeze(0)).sum(1) - (1 if loo else 0)
     length = min(max(int(r.max()) if r.numel() else 1, max(recall_at), reranker.top_n, 1), n_rank)
-    _, ranked = MF.knn(qv, None if loo else gallery, k=length, metric=metric)
+    base, ranked = MF.knn(qv, None if loo else gallery, k=length, metric=metric)
     device = next(iter(model.parameters()), torch.empty(0)).device
     if model.inputs == "embeddings":
         q_in = qv.to(device)
@@ -479,7 +493,7 @@ def pairwise_metrics(
 
         def fn(pos: Tensor) -> Tensor:
             return images(torch.where(pos >= 0, ids[pos.clamp_min(0).cpu()], -1))
-    perm = rerank_ranked(model, ranked.to(device), q_in, fn, reranker.top_n).cpu()
+    perm = rerank_ranked(model, ranked.to(device), q_in, fn, reranker.top_n, base.to(device)).cpu()
     relevance = (ranked >= 0) & (gl[ranked.clamp_min(0)] == ql.unsqueeze(1))
     hit = relevance.any(dim=1)
     # the base first relevant rank within the list (-1: none; the list covers R, so none means R = 0)

@@ -15,7 +15,13 @@ candidates the base model ranks near it, positives and hard negatives, labelled 
   yields ``(x1, x2, target)`` batches: images (the training split's evaluation view: the preprocessing the index
   gives its images, no random augmentation) for
   :class:`~lightning_dml.rerank.models.ConcatSiamese`, or the embeddings as an index stores them (L2-normalised
-  for the cosine metric) for :class:`~lightning_dml.rerank.models.FeatureDistanceSiamese`.
+  for the cosine metric) for :class:`~lightning_dml.rerank.models.FeatureDistanceSiamese`, each with the pair's base
+  score (the exact engine's, which a residual re-ranker adds to).
+* a validation split (``val_classes``): a seeded fraction of the training classes is held out; the pairs are mined
+  within each part (the training part's items never list a held-out item, nor the reverse), and the held-out
+  classes' lists are what :class:`~lightning_dml.rerank.module.PairwiseRerankerModule` measures its re-ranking on
+  after each epoch (classes the re-ranker never trains on, as the test classes; the base model may have trained on
+  them: on Glyphs it did, so its lists of them are better than of the test classes).
 """
 
 from __future__ import annotations
@@ -38,12 +44,14 @@ __all__ = ["MinedPairs", "PairDataset", "PairwiseRerankDataModule", "mine_pairs"
 @dataclass(frozen=True)
 class MinedPairs:
     """Pairs of rows of one split: ``query[p]``, ``candidate[p]`` (row positions), ``target[p]`` (1.0: relevant),
-    ``rank[p]`` (0-based rank of the candidate in the query's list)."""
+    ``rank[p]`` (0-based rank of the candidate in the query's list), ``score[p]`` (the exact engine's float64 score
+    of the pair: cosine similarity, or minus the squared Euclidean distance)."""
 
     query: Tensor
     candidate: Tensor
     target: Tensor
     rank: Tensor
+    score: Tensor
 
     def __len__(self) -> int:
         return int(self.query.numel())
@@ -77,8 +85,8 @@ def mine_pairs(embeddings: Tensor, labels: Tensor, top_n: int, *, metric: str = 
     if seq is not None and bool((seq >= 0).any()):
         extra = int(torch.unique(seq[seq >= 0], return_counts=True)[1].max())
     k = min(n - 1, int(top_n) + extra)
-    _, neighbours = knn(embeddings, None, k=k, metric=metric)
-    neighbours = neighbours.to(device)
+    scores, neighbours = knn(embeddings, None, k=k, metric=metric)
+    neighbours, scores = neighbours.to(device), scores.to(device)
     rows = torch.arange(n, device=device).unsqueeze(1).expand_as(neighbours)
     valid = neighbours >= 0
     if seq is not None:
@@ -88,7 +96,42 @@ def mine_pairs(embeddings: Tensor, labels: Tensor, top_n: int, *, metric: str = 
     keep = valid & (rank < int(top_n))
     q, c, r = rows[keep], neighbours[keep], rank[keep]
     target = task.relevant(q, c)  # positions: prepare keeps the rows' order without indices, no query mask
-    return MinedPairs(q.cpu(), c.cpu(), target.float().cpu(), r.cpu())
+    return MinedPairs(q.cpu(), c.cpu(), target.float().cpu(), r.cpu(), scores[keep].double().cpu())
+
+
+def subset_pairs(pairs: MinedPairs, rows: Tensor) -> MinedPairs:
+    """``pairs`` mined on the rows ``rows`` of a split (positions into ``rows``) as positions into the whole split."""
+    rows = rows.long().cpu()
+    return MinedPairs(rows[pairs.query], rows[pairs.candidate], pairs.target, pairs.rank, pairs.score)
+
+
+def held_out_classes(labels: Tensor, fraction: float, seed: int = 0) -> Tensor:
+    """``[N]`` bool: the items of a seeded random ``fraction`` of the classes of ``labels [N]`` (at least one class,
+    at least one class left out of it). Label sets ``[N, L]`` are refused (one line): their classes overlap."""
+    if labels.ndim != 1:
+        raise UserInputError("data.val_classes holds out whole classes: it needs one label per training item, not "
+                             f"label sets (labels of shape {tuple(labels.shape)})")
+    classes = torch.unique(labels)
+    if classes.numel() < 2:
+        raise UserInputError(f"data.val_classes needs at least 2 training classes, got {classes.numel()}")
+    count = min(classes.numel() - 1, max(1, round(float(fraction) * classes.numel())))
+    order = torch.randperm(classes.numel(), generator=torch.Generator().manual_seed(int(seed)))
+    return torch.isin(labels, classes[order[:count]])
+
+
+def recall_at_1(logits: Tensor, pairs: MinedPairs) -> float:
+    """Recall@1 of the queries of ``pairs`` after sorting each query's pairs by ``logits [P]`` (larger first, ties:
+    the base rank), with the targets as relevance: the fraction of queries whose first pair is relevant (a query
+    without a relevant item in its list counts as a miss, as it would at any re-ranking)."""
+    if len(pairs) == 0:
+        return 0.0
+    order = torch.argsort(pairs.rank, stable=True)
+    order = order[torch.argsort(logits.detach().double().cpu()[order], descending=True, stable=True)]
+    order = order[torch.argsort(pairs.query[order], stable=True)]
+    q = pairs.query[order]
+    first = torch.ones_like(q, dtype=torch.bool)
+    first[1:] = q[1:] != q[:-1]
+    return float(pairs.target[order][first].double().mean())
 
 
 class PairDataset(Dataset):
@@ -106,9 +149,10 @@ class PairDataset(Dataset):
             return self.items[row]
         return self.items[row][0]
 
-    def __getitem__(self, p: int) -> tuple[Tensor, Tensor, Tensor]:
+    def __getitem__(self, p: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``(x1, x2, target, base score)`` of pair ``p`` (the score as float32)."""
         return (self._item(int(self.pairs.query[p])), self._item(int(self.pairs.candidate[p])),
-                self.pairs.target[p])
+                self.pairs.target[p], self.pairs.score[p].float())
 
 
 def _first_elements(items: list[Any]) -> Tensor:
@@ -138,11 +182,14 @@ class PairwiseRerankDataModule(pl.LightningDataModule):
         num_workers: DataLoader workers (embedding and training).
         embed_batch_size: images per batch when the base model embeds the training split.
         device: where the base model embeds (default: CUDA when available, else the CPU).
+        val_classes: the fraction of the training classes held out as a validation split (module docstring; 0: none).
+        val_seed: the seed of the held-out classes' choice.
     """
 
     def __init__(self, base_config: str, base_checkpoint: str, top_n: int = 5,
                  inputs: Literal["images", "embeddings"] = "images", batch_size: int = 32, num_workers: int = 0,
-                 embed_batch_size: int = 256, device: str | None = None) -> None:
+                 embed_batch_size: int = 256, device: str | None = None, val_classes: float = 0.0,
+                 val_seed: int = 0) -> None:
         super().__init__()
         if inputs not in ("images", "embeddings"):
             raise ValueError(f"inputs must be 'images' or 'embeddings', got {inputs!r}")
@@ -152,8 +199,14 @@ class PairwiseRerankDataModule(pl.LightningDataModule):
         self.top_n, self.inputs = int(top_n), inputs
         self.batch_size, self.num_workers, self.embed_batch_size = int(batch_size), int(num_workers), int(embed_batch_size)
         self.device = device
+        if not 0.0 <= float(val_classes) < 1.0:
+            raise UserInputError(f"data.val_classes must be a fraction in [0, 1), got {val_classes}")
+        self.val_classes, self.val_seed = float(val_classes), int(val_seed)
         self.pairs: MinedPairs | None = None
         self.train_set: PairDataset | None = None
+        #: set by :meth:`setup` when ``val_classes > 0``: the held-out classes' pairs and their dataset
+        self.val_pairs: MinedPairs | None = None
+        self.val_set: PairDataset | None = None
         #: set by :meth:`setup`: the base checkpoint's record, metric, embedding width, preprocessing
         self.base_record: dict[str, str] | None = None
         self.metric = "cosine"
@@ -176,11 +229,23 @@ class PairwiseRerankDataModule(pl.LightningDataModule):
         labels = torch.as_tensor(train.labels)
         sequence = getattr(train, "sequence", None)
         sequence = None if sequence is None else torch.as_tensor(sequence)
-        self.pairs = mine_pairs(embeddings, labels, self.top_n, metric=self.metric, sequence=sequence)
+        held = (held_out_classes(labels, self.val_classes, self.val_seed) if self.val_classes > 0
+                else torch.zeros(len(labels), dtype=torch.bool))
+        parts = []
+        for mask in (~held, held):
+            rows = torch.nonzero(mask).flatten()
+            if rows.numel() == 0:
+                parts.append(None)
+                continue
+            part = mine_pairs(embeddings[rows], labels[rows], self.top_n, metric=self.metric,
+                              sequence=None if sequence is None else sequence[rows])
+            parts.append(subset_pairs(part, rows))
+        self.pairs, self.val_pairs = parts
         self.embedding_dim = int(embeddings.shape[1])
         self.input_spec = datamodule.input_spec
         items = as_stored(embeddings, self.metric) if self.inputs == "embeddings" else view
         self.train_set = PairDataset(items, self.pairs)
+        self.val_set = None if self.val_pairs is None else PairDataset(items, self.val_pairs)
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None, "setup() first"

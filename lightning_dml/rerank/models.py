@@ -29,10 +29,28 @@
   distance. OML returns the distance; here the logit is ``b - exp(s) * ||P x1 - P x2||_2`` with a learnable scale
   ``s`` (0 at initialisation) and bias ``b`` (0), so that the binary loss is well posed; at initialisation its order
   is the base model's Euclidean order (the cosine order for L2-normalised embeddings).
+
+**Residual re-rankers** (``residual=True``, either class). STIR's and OML's rule replaces the base score of a
+re-scored candidate by the pair model's output (OML's ``PairwiseReranker.process`` sorts the top-n by the new
+distances alone and only rescales them to stay above the rest), so a pair model weaker than the base embedding
+reorders a good list for the worse. A residual re-ranker keeps the base score and learns a correction of it:
+
+    ``logit = exp(a) * base + c + r(x1, x2)``
+
+where ``base`` is the score the base ranking gave the pair (the index's or the exact engine's: cosine similarity, or
+minus the squared Euclidean distance), ``a`` and ``c`` are learned scalars (``a = log 10``, ``c = 0`` at
+initialisation) and ``r`` the pair model, built so that ``r = 0`` before training: ConcatSiamese's last head layer
+starts at zero, FeatureDistanceSiamese's residual is ``g ||P x1 - P x2||_2`` with ``g = 0`` at initialisation. An
+untrained residual re-ranker is therefore a positive affine map of the base score, which (in float arithmetic too:
+rounding is monotone) never reverses two candidates, so its re-ranking (ties kept in the base order) IS the base
+ranking. The combination is this library's (a late fusion of the two scores, the zero-initialised last layer as in
+ReZero-style residual blocks), not the paper's; :mod:`lightning_dml.rerank.module` can keep the untrained state when
+training does not improve a validation split.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
@@ -60,6 +78,28 @@ class PairwiseReranker(nn.Module):
     kind: ClassVar[str] = ""
     inputs: ClassVar[Literal["images", "embeddings"]] = "embeddings"
     default_block: ClassVar[int] = 4096
+    #: the scale ``exp(a)`` of the base score in a residual re-ranker before training (module docstring)
+    BASE_SCALE: ClassVar[float] = 10.0
+    #: a residual re-ranker (module docstring): its logit needs the base score of each pair
+    residual: bool = False
+
+    def init_residual(self, residual: bool) -> None:
+        """Set :attr:`residual`; for a residual re-ranker add the learned scale ``a`` and bias ``c`` of the base score
+        (parameters ``base_log_scale``, ``base_bias``: a non-residual re-ranker's weights are unchanged)."""
+        self.residual = bool(residual)
+        if self.residual:
+            self.base_log_scale = nn.Parameter(torch.tensor(math.log(self.BASE_SCALE)))
+            self.base_bias = nn.Parameter(torch.zeros(()))
+
+    def pair_logits(self, x1: Tensor, x2: Tensor, base: Tensor | None = None) -> Tensor:
+        """The logits ``[B]`` of ``B`` pairs: ``forward(x1, x2)``, plus ``exp(a) * base + c`` for a residual re-ranker
+        (``base [B]``: the pairs' base scores; required then, ignored otherwise)."""
+        own = self(x1, x2)
+        if not self.residual:
+            return own
+        if base is None:
+            raise RerankerInputError(f"the residual {self.kind} re-ranker needs the base scores of the pairs it scores")
+        return (self.base_log_scale.exp() * base.to(own.dtype) + self.base_bias) + own
 
     def options(self) -> dict[str, Any]:
         """The constructor's arguments as plain JSON data (what ``reranker.json`` records)."""
@@ -68,9 +108,11 @@ class PairwiseReranker(nn.Module):
     def check_item(self, shape: Sequence[int], what: str) -> None:
         """Raise :class:`RerankerInputError` when one item of shape ``shape`` cannot be scored (``what`` names it)."""
 
-    def score(self, query: Tensor, candidates: Tensor, *, block: int | None = None) -> Tensor:
+    def score(self, query: Tensor, candidates: Tensor, *, base: Tensor | None = None, block: int | None = None
+              ) -> Tensor:
         """Logits of each query against each of its candidates: ``query [Q, ...]``, ``candidates [Q, n, ...]`` ->
-        ``[Q, n]`` float32 on the candidates' device.
+        ``[Q, n]`` float32 on the candidates' device (:meth:`pair_logits`; ``base [Q, n]``: the base scores of the
+        pairs, which a residual re-ranker needs).
 
         Pairs are formed by indexing (no copy of the query per candidate) and scored ``block`` pairs at a time
         (default :attr:`default_block`); each pair's logit depends on that pair only, so the block size changes no
@@ -89,6 +131,13 @@ class PairwiseReranker(nn.Module):
                 f"[Q, n, ...] with the query's Q and item shape)")
         self.check_item(query.shape[1:], "query")
         q, n = int(candidates.shape[0]), int(candidates.shape[1])
+        flat_base = None
+        if self.residual:
+            if base is None or tuple(base.shape) != (q, n):
+                raise RerankerInputError(
+                    f"the residual {self.kind} re-ranker needs the base scores [Q, n] = {(q, n)} of the pairs; got "
+                    f"{None if base is None else tuple(base.shape)}")
+            flat_base = base.reshape(q * n).to(candidates.device, torch.float32)
         block = int(block or self.default_block)
         if block < 1:
             raise ValueError(f"block must be >= 1, got {block}")
@@ -99,23 +148,28 @@ class PairwiseReranker(nn.Module):
             for start in range(0, q * n, block):
                 stop = min(q * n, start + block)
                 rows = torch.arange(start, stop, device=candidates.device) // max(n, 1)
-                out[start:stop] = self(query[rows].float(), flat[start:stop].float()).float()
+                pair_base = None if flat_base is None else flat_base[start:stop]
+                out[start:stop] = self.pair_logits(query[rows].float(), flat[start:stop].float(), pair_base).float()
         return out.view(q, n)
 
 
 class FeatureDistanceSiamese(PairwiseReranker):
     """OML's ``LinearTrivialDistanceSiamese`` as a logit (module docstring): ``b - exp(s) ||P x1 - P x2||_2``.
 
+    Residual (``residual=True``, module docstring): ``exp(a) base + c + g ||P x1 - P x2||_2``, ``g = 0`` at
+    initialisation (no ``b``, ``s``: ``a``, ``c`` take their place).
+
     Args:
         dim: width of the base model's embeddings.
         identity_init: start ``P`` at the identity (OML's ``identity_init``): the base order before training.
+        residual: keep the base score and learn a correction (module docstring).
     """
 
     kind = "feature_distance_siamese"
     inputs = "embeddings"
     default_block = 65536
 
-    def __init__(self, dim: int, identity_init: bool = True) -> None:
+    def __init__(self, dim: int, identity_init: bool = True, residual: bool = False) -> None:
         super().__init__()
         if int(dim) < 1:
             raise ValueError(f"dim must be >= 1, got {dim}")
@@ -125,11 +179,15 @@ class FeatureDistanceSiamese(PairwiseReranker):
         if self.identity_init:
             with torch.no_grad():
                 self.proj.weight.copy_(torch.eye(self.dim))
-        self.log_scale = nn.Parameter(torch.zeros(()))
-        self.bias = nn.Parameter(torch.zeros(()))
+        self.init_residual(residual)
+        if self.residual:
+            self.gate = nn.Parameter(torch.zeros(()))
+        else:
+            self.log_scale = nn.Parameter(torch.zeros(()))
+            self.bias = nn.Parameter(torch.zeros(()))
 
     def options(self) -> dict[str, Any]:
-        return {"dim": self.dim, "identity_init": self.identity_init}
+        return {"dim": self.dim, "identity_init": self.identity_init, "residual": self.residual}
 
     def check_item(self, shape: Sequence[int], what: str) -> None:
         if tuple(shape) != (self.dim,):
@@ -139,6 +197,8 @@ class FeatureDistanceSiamese(PairwiseReranker):
 
     def forward(self, x1: Tensor, x2: Tensor) -> Tensor:
         distance = torch.linalg.vector_norm(self.proj(x1) - self.proj(x2), dim=-1)
+        if self.residual:
+            return self.gate * distance
         return self.bias - self.log_scale.exp() * distance
 
 
@@ -158,6 +218,7 @@ class ConcatSiamese(PairwiseReranker):
         dropout: dropout after each hidden layer of the head (OML: 0.5).
         model_kwargs: further ``timm.create_model`` arguments (``{depth: 4, patch_size: 4}`` for small images,
             ``{in_chans: 1}`` for grey images such as Glyphs'; timm adapts pretrained weights to them).
+        residual: keep the base score and learn a correction (module docstring): the head's last layer starts at zero.
     """
 
     kind = "concat_siamese"
@@ -166,7 +227,7 @@ class ConcatSiamese(PairwiseReranker):
 
     def __init__(self, model_name: str = "vit_small_patch16_224.dino", img_size: int = 224, pretrained: bool = True,
                  weights_path: str | None = None, hidden: Sequence[int] = (384,), dropout: float = 0.5,
-                 model_kwargs: dict[str, Any] | None = None) -> None:
+                 model_kwargs: dict[str, Any] | None = None, residual: bool = False) -> None:
         super().__init__()
         from lightning_dml.models.timm_backbone import TimmBackbone
 
@@ -188,10 +249,13 @@ class ConcatSiamese(PairwiseReranker):
             width = h
         layers.append(nn.Linear(width, 1, bias=False))
         self.head = nn.Sequential(*layers)
+        self.init_residual(residual)
+        if self.residual:
+            nn.init.zeros_(layers[-1].weight)  # r(x1, x2) = 0 before training: the base ranking
 
     def options(self) -> dict[str, Any]:
         return {"model_name": self.model_name, "img_size": self.img_size, "hidden": list(self.hidden),
-                "dropout": self.dropout, "model_kwargs": self.model_kwargs}
+                "dropout": self.dropout, "model_kwargs": self.model_kwargs, "residual": self.residual}
 
     def check_item(self, shape: Sequence[int], what: str) -> None:
         want = (self.in_chans, self.img_size, self.img_size)

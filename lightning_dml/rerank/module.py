@@ -17,10 +17,19 @@ embeddings); here they are each training query's top-n lists over the whole trai
 :class:`PairwiseRerankerModule` trains the re-ranker on :class:`~lightning_dml.rerank.data.PairwiseRerankDataModule`
 batches and, when ``output`` is given, writes the re-ranker folder (:func:`~lightning_dml.rerank.io.save_reranker`,
 with the base checkpoint's sha256, the embedding width and the base model's preprocessing) when training ends.
+
+**Model selection on held-out classes.** When the data module holds out classes (``data.val_classes``), the module
+measures Recall@1 of the held-out classes' re-ranked top-n lists (:func:`~lightning_dml.rerank.data.recall_at_1`)
+before the first step and after every epoch, logs it (``val/rerank_recall@1``) and, when training ends, keeps (and
+saves) the weights of the best of these measurements, the earliest on ties. For a residual re-ranker
+(:mod:`lightning_dml.rerank.models`) the measurement before the first step is the base ranking's, so the saved
+re-ranker is the base ranking unless training improved the held-out classes' lists (early stopping by a validation
+split; the best weights are kept in memory, so a resumed fit selects among its own epochs only).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any
 
@@ -66,6 +75,8 @@ class PairwiseRerankerModule(pl.LightningModule):
         self.reranker = reranker
         self.lr, self.weight_decay, self.pos_weight = float(lr), float(weight_decay), float(pos_weight)
         self.output = None if output is None else os.fspath(output)
+        #: the best held-out measurement and its weights (model selection, module docstring); set in training
+        self.best: dict[str, Any] | None = None
 
     def forward(self, x1: Tensor, x2: Tensor) -> Tensor:
         return self.reranker(x1, x2)
@@ -78,8 +89,8 @@ class PairwiseRerankerModule(pl.LightningModule):
                                  f"{self.reranker.inputs!r}: set data.init_args.inputs: {self.reranker.inputs}")
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
-        x1, x2, target = batch
-        logits = self.reranker(x1, x2)
+        x1, x2, target, base = batch
+        logits = self.reranker.pair_logits(x1, x2, base)
         loss = pair_bce(logits, target, self.pos_weight)
         with torch.no_grad():
             accuracy = ((logits > 0).float() == target).float().mean()
@@ -87,10 +98,54 @@ class PairwiseRerankerModule(pl.LightningModule):
         self.log("train/pair_accuracy", accuracy, batch_size=target.numel())
         return loss
 
+    @torch.no_grad()
+    def validation_recall(self) -> float | None:
+        """Recall@1 of the data module's held-out classes' lists re-ranked by the re-ranker in eval mode (None: no
+        validation split)."""
+        from torch.utils.data import DataLoader
+
+        from lightning_dml.rerank.data import recall_at_1
+
+        datamodule = getattr(self.trainer, "datamodule", None)
+        val_set = getattr(datamodule, "val_set", None)
+        if val_set is None or len(val_set) == 0:
+            return None
+        was_training = self.reranker.training
+        self.reranker.eval()
+        logits = []
+        loader = DataLoader(val_set, batch_size=max(256, int(getattr(datamodule, "batch_size", 256))), shuffle=False,
+                            num_workers=0)
+        with torch.autocast(device_type=self.device.type, enabled=False):
+            for x1, x2, _, base in loader:
+                logits.append(self.reranker.pair_logits(x1.to(self.device).float(), x2.to(self.device).float(),
+                                                        base.to(self.device)).float().cpu())
+        self.reranker.train(was_training)
+        return recall_at_1(torch.cat(logits), val_set.pairs)
+
+    def _select(self, epoch: int) -> None:
+        value = self.validation_recall()
+        if value is None:
+            return
+        self.log("val/rerank_recall@1", value, batch_size=1)
+        if self.best is None or value > self.best["recall@1"]:
+            self.best = {"recall@1": value, "epoch": epoch, "state": copy.deepcopy(self.reranker.state_dict())}
+        if self.best.get("before") is None:
+            self.best["before"] = value
+
+    def on_train_start(self) -> None:
+        self.best = None
+        self._select(0)  # the untrained re-ranker (a residual one: the base ranking)
+
+    def on_train_epoch_end(self) -> None:
+        self._select(int(self.current_epoch) + 1)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.reranker.parameters(), lr=self.lr, weight_decay=self.weight_decay)
 
     def on_train_end(self) -> None:
+        best = getattr(self, "best", None)
+        if best is not None:
+            self.reranker.load_state_dict(best["state"])
         if self.output is None or not self.trainer.is_global_zero:
             return
         from lightning_dml.rerank.io import save_reranker
@@ -103,6 +158,10 @@ class PairwiseRerankerModule(pl.LightningModule):
                  "metric": getattr(datamodule, "metric", None), "pairs": None if pairs is None else len(pairs),
                  "positive_pairs": None if pairs is None else int(pairs.target.sum()),
                  "epochs": int(self.current_epoch), "steps": int(self.global_step)}
+        if best is not None:
+            extra["validation"] = {"val_classes": getattr(datamodule, "val_classes", None),
+                                   "val_pairs": len(datamodule.val_pairs), "recall@1_before_training": best["before"],
+                                   "recall@1": best["recall@1"], "kept_epoch": best["epoch"]}
         was_training = self.reranker.training
         save_reranker(self.reranker.eval(), self.output, base_checkpoint_sha256=record.get("sha256"),
                       embedding_dim=getattr(datamodule, "embedding_dim", None), input_spec=spec, extra=extra)
