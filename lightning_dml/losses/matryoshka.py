@@ -140,9 +140,8 @@ class MatryoshkaLoss(nn.Module):
             # the width alone is needed to make the copies when no num_classes is (the margin loss without
             # per-class margins); DMLModule then records it as ``embedding_size``
             self.needs_embedding_dim = not self.needs_num_classes
-            for name in ("needs_class_counts",):
-                if getattr(loss, name, False):
-                    setattr(self, name, True)
+            if getattr(loss, "needs_class_counts", False):  # DynamicArcFace's margins: DMLModule sets the counts
+                self.needs_class_counts = True
             self.loss = loss if tied else None
             if not tied and self.widths is not None:
                 self._make_copies(self.widths)
@@ -201,11 +200,16 @@ class MatryoshkaLoss(nn.Module):
         self.losses = nn.ModuleList(copies)
 
     # ------------------------------------------------------------------ sizes (DMLModule's interface)
+    def _first(self) -> nn.Module | None:
+        """The shared or tied loss, else the first width's copy, else the wrapped loss as given."""
+        if self.loss is not None:
+            return self.loss
+        return self.losses[0] if self.losses else self.__dict__.get("template")
+
     @property
     def num_classes(self) -> int | None:
         """The number of classes of the wrapped loss (per width, the same)."""
-        first = self.loss if self.loss is not None else self.losses[0] if self.losses else self.__dict__.get("template")
-        return getattr(first, "num_classes", None)
+        return getattr(self._first(), "num_classes", None)
 
     @property
     def embedding_size(self) -> int | None:
@@ -215,8 +219,7 @@ class MatryoshkaLoss(nn.Module):
     @property
     def class_counts(self) -> Tensor | None:
         """The wrapped loss's ``class_counts`` (DynamicArcFace's per-class margins)."""
-        first = self.loss if self.loss is not None else self.losses[0] if self.losses else self.__dict__.get("template")
-        return getattr(first, "class_counts", None)
+        return getattr(self._first(), "class_counts", None)
 
     @property
     def is_complete(self) -> bool:
