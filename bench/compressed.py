@@ -1,86 +1,206 @@
 """What compressed vectors cost (issue 31 s.3): bytes per vector, search time per query, neighbour recall@10
 against exact full-width search and Recall@1 / MAP@R of ``flat`` float32, ``int8``, ``binary``, ``binary`` /
-``int8`` + ``--rescore N``, ``ivf_pq`` and ``hnsw`` indexes, each measured by
+``int8`` + ``--rescore N``, ``ivf_pq``, ``hnsw`` and cut (Matryoshka) widths, each measured by
 :func:`lightning_dml.index.evaluate.evaluate_index` (the exact engine is the judge).
 
 Usage::
 
     lightning-dml fit --config configs/glyphs.yaml                      # the Glyphs base model (6 epochs)
     lightning-dml predict --config configs/glyphs.yaml --ckpt_path CKPT --trainer.default_root_dir /tmp/p
-    python bench/compressed.py --predictions /tmp/p/.../predictions.pt --size 1000000 --dim 512 --queries 200
+    python bench/compressed.py --predictions /tmp/p/.../predictions.pt --size 0
+    python bench/compressed.py --predictions MRL.pt --size 0 --kinds width --widths 16 32 64 128   # Matryoshka
+    python bench/compressed.py --size 1000000 --dim 512 --queries 100 --widths 64 128 256 --ivf_pq nlist=1024
 
 1. **Glyphs** (``--predictions``: a ``lightning-dml predict`` file of the test classes): every item a query
    against the others (all-vs-all, leave-one-out).
 2. **Synthetic** (``--size`` x ``--dim``, skipped with ``--size 0``): clustered Gaussian vectors (``--clusters``
    centres of norm about ``--spread`` times the noise's, labels = the cluster), ``--queries`` further draws of the same
-   clusters as labelled queries.
+   clusters as labelled queries. The gallery is generated in chunks into a ``.npy`` file in the work folder and
+   memory-mapped only while an index is built from it.
 
 Each index is built with :meth:`EmbeddingIndex.build` (cosine), saved and loaded again (so that a re-scoring index
 reads its float32 vectors from the memory-mapped ``embeddings.npy`` as ``search`` does), then evaluated with
-``k = 10``. Prints one markdown table per gallery, the command line, ``uptime`` before and after, and the peak
-resident memory of the process.
+``k = 10``; at most one index is in memory at a time. ``--widths W ...`` adds rows of the leading ``W`` dimensions
+(``lightning_dml.widths.cut``, re-normalised by the build: what ``index build --width W`` indexes; flat, float32),
+whose neighbour recall@10 is against the exact search of the full-width vectors (the other rows' index holds the
+full width: there it is :func:`evaluate_index`'s own).
+
+Synthetic queries are evaluated in blocks of ``--query_block`` (the exact engine's relevance lists grow with queries
+x gallery): each block asks for lists as long as the whole set's (``recall_at`` includes that length), so every
+query gets the search it gets in one block, and the per-query means are recombined weighted by block size (every
+synthetic query has relevant gallery items; otherwise one block). Prints one markdown table per gallery, the command
+line, ``uptime`` before and after, and the peak resident memory of the process (``getrusage``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
-
 
 def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
 
 
-def clustered(n: int, d: int, clusters: int, spread: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` vectors: a random centre (norm ``spread * sqrt(d)``) of ``clusters`` plus unit Gaussian noise."""
+def peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def clustered_chunks(n: int, d: int, clusters: int, spread: float, seed: int,
+                     chunk: int = 100_000) -> tuple[torch.Tensor, Iterator[tuple[int, torch.Tensor]]]:
+    """Labels of ``n`` vectors and an iterator of ``(start, rows)``: a random centre (norm ``spread * sqrt(d)``) of
+    ``clusters`` plus unit Gaussian noise, ``chunk`` rows at a time (bounded temporary memory)."""
     g = torch.Generator().manual_seed(seed)
     centres = torch.randn(clusters, d, generator=torch.Generator().manual_seed(0)) * spread
-    out, labels = torch.empty(n, d), torch.randint(clusters, (n,), generator=g)
-    for start in range(0, n, 100_000):  # bounded temporary memory
-        stop = min(n, start + 100_000)
-        out[start:stop] = centres[labels[start:stop]] + torch.randn(stop - start, d, generator=g)
+    labels = torch.randint(clusters, (n,), generator=g)
+
+    def rows() -> Iterator[tuple[int, torch.Tensor]]:
+        for start in range(0, n, chunk):
+            stop = min(n, start + chunk)
+            yield start, centres[labels[start:stop]] + torch.randn(stop - start, d, generator=g)
+
+    return labels, rows()
+
+
+def clustered(n: int, d: int, clusters: int, spread: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The vectors of :func:`clustered_chunks` in memory (the queries)."""
+    labels, rows = clustered_chunks(n, d, clusters, spread, seed)
+    out = torch.empty(n, d)
+    for start, block in rows:
+        out[start:start + block.shape[0]] = block
     return out, labels
 
 
-def configs(rescore: list[int]) -> list[tuple[str, str, dict]]:
-    """(row name, kind, options) of every index measured."""
-    rows = [("float32 flat", "flat", {}), ("int8", "flat", {"vectors": "int8"})]
-    rows += [(f"int8 + rescore {n}", "flat", {"vectors": "int8", "rescore": n}) for n in rescore[:1]]
-    rows += [("binary", "flat", {"vectors": "binary"})]
-    rows += [(f"binary + rescore {n}", "flat", {"vectors": "binary", "rescore": n}) for n in rescore]
-    rows += [("ivf_pq (defaults)", "ivf_pq", {}), ("hnsw (defaults)", "hnsw", {})]
+def clustered_file(path: Path, n: int, d: int, clusters: int, spread: float, seed: int) -> torch.Tensor:
+    """The vectors of :func:`clustered_chunks` written to the float32 ``.npy`` file ``path``; returns the labels."""
+    labels, rows = clustered_chunks(n, d, clusters, spread, seed)
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(n, d))
+    for start, block in rows:
+        out[start:start + block.shape[0]] = block.numpy()
+    out.flush()
+    del out
+    return labels
+
+
+def configs(rescore: list[int], ivf_pq: dict, hnsw: dict, widths: list[int], width_name: str
+            ) -> list[tuple[str, str, dict, int | None]]:
+    """(row name, kind, options, width) of every index measured."""
+    rows = [("float32 flat", "flat", {}, None), ("int8", "flat", {"vectors": "int8"}, None)]
+    rows += [(f"int8 + rescore {n}", "flat", {"vectors": "int8", "rescore": n}, None) for n in rescore[:1]]
+    rows += [("binary", "flat", {"vectors": "binary"}, None)]
+    rows += [(f"binary + rescore {n}", "flat", {"vectors": "binary", "rescore": n}, None) for n in rescore]
+    rows += [(f"width {w} ({width_name})", "flat", {}, w) for w in widths]
+    rows += [("ivf_pq (" + (", ".join(f"{k} {v}" for k, v in ivf_pq.items()) or "defaults") + ")", "ivf_pq", ivf_pq,
+              None)]
+    rows += [("hnsw (" + (", ".join(f"{k} {v}" for k, v in hnsw.items()) or "defaults") + ")", "hnsw", hnsw, None)]
     return rows
 
 
-def measure(name: str, kind: str, options: dict, gallery: torch.Tensor, labels: list[str],
-            queries: torch.Tensor | None, query_labels: list[str] | None, work: Path) -> dict:
-    from lightning_dml.index import EmbeddingIndex
+def list_length(gallery_labels: torch.Tensor, query_labels: torch.Tensor, k: int) -> tuple[int, bool]:
+    """``evaluate_index``'s list length for all queries at once (the largest R, at least ``k``) and whether every
+    query has a relevant gallery item."""
+    counts = torch.bincount(gallery_labels, minlength=int(max(gallery_labels.max(), query_labels.max())) + 1)
+    r = counts[query_labels]
+    return max(int(r.max()), k, 1), bool((r > 0).all())
+
+
+def evaluate_blocks(index, queries: torch.Tensor | None, query_labels: list[str] | None, length: int, block: int,
+                    k: int = 10) -> dict:
+    """:func:`evaluate_index` over query blocks (all at once for leave-one-out), recombined: Recall@1, MAP@R and
+    neighbour recall are means over the queries (every query has R > 0: the caller checks), the search seconds a
+    sum. ``recall_at`` holds ``length`` so that each block's lists are as long as the whole set's."""
     from lightning_dml.index.evaluate import evaluate_index
 
+    if queries is None:
+        return evaluate_index(index, None, None, k=k, recall_at=(1,))
+    parts = []
+    for start in range(0, queries.shape[0], block):
+        q, ql = queries[start:start + block], query_labels[start:start + block]
+        parts.append((q.shape[0], evaluate_index(index, q, ql, k=k, recall_at=(1, length))))
+        gc.collect()
+    n = sum(m for m, _ in parts)
+
+    def mean(get: Callable[[dict], float]) -> float:
+        return sum(m * get(r) for m, r in parts) / n
+
+    first = parts[0][1]
+    rows = {name: {metric: mean(lambda r, a=name, b=metric: r["rows"][a][b]) for metric in ("recall@1", "map@r")}
+            for name in first["rows"]}
+    seconds = sum(r["search_seconds"] for _, r in parts)
+    return {**first, "rows": rows, "neighbour_recall@k": mean(lambda r: r["neighbour_recall@k"]),
+            "search_seconds": seconds, "search_ms_per_query": 1000 * seconds / n, "queries": n}
+
+
+def full_width_recall(index, queries: torch.Tensor | None, exact_ids: torch.Tensor, k: int = 10) -> float:
+    """Neighbour recall@k of a cut-width ``index`` against ``exact_ids`` [Q, k] (gallery positions of the exact
+    full-width neighbours; ``queries=None``: leave-one-out over the gallery, the item itself dropped)."""
+    loo = queries is None
+    q = index.embeddings if loo else queries
+    _, ids = index.search(q, k + (1 if loo else 0))
+    pos = torch.from_numpy(index.table.rows_of(ids.numpy())).view_as(ids)
+    if loo:  # the query's own item out, the next k kept
+        own = pos == torch.arange(pos.shape[0]).unsqueeze(1)
+        keep = torch.sort(own.long(), dim=1, stable=True).indices[:, :k]
+        pos = torch.where(own.gather(1, keep), -1, pos.gather(1, keep))
+    pos = pos[:, :k]
+    same = (pos.unsqueeze(2) == exact_ids.unsqueeze(1)) & (pos.unsqueeze(2) >= 0)
+    valid = (exact_ids >= 0).sum(1).clamp_min(1)
+    return float((same.any(1).sum(1) / valid).mean())
+
+
+def exact_full_width(gallery: torch.Tensor, queries: torch.Tensor | None, block: int, k: int = 10) -> torch.Tensor:
+    """Gallery positions of the exact ``k`` nearest (cosine) of each query, full width
+    (:func:`lightning_dml.metrics.functional.knn`, queries in blocks; leave-one-out when ``queries`` is None)."""
+    from lightning_dml.metrics import functional as MF
+
+    if queries is None:
+        return MF.knn(gallery, None, k=k, metric="cosine")[1]
+    return torch.cat([MF.knn(queries[s:s + block], gallery, k=k, metric="cosine")[1]
+                      for s in range(0, queries.shape[0], block)])
+
+
+def measure(name: str, kind: str, options: dict, width: int | None, gallery: Callable[[], torch.Tensor],
+            labels: list[str], queries: torch.Tensor | None, query_labels: list[str] | None, work: Path,
+            length: int, block: int, exact_ids: Callable[[], torch.Tensor]) -> dict:
+    """Build, save, load and evaluate one index; ``gallery()`` gives the vectors (memory-mapped for synthetic)."""
+    from lightning_dml.index import EmbeddingIndex
+    from lightning_dml.widths import cut
+
+    vectors = gallery()
+    if width is not None:  # what index build --width W indexes: the leading W dims, normalised by build (cosine)
+        vectors = cut(vectors, width, "bench/compressed.py --widths")
     began = time.perf_counter()
-    index = EmbeddingIndex.build(gallery, {"labels": labels}, kind=kind, **options)
+    index = EmbeddingIndex.build(vectors, {"labels": labels}, kind=kind, **options)
     built = time.perf_counter() - began
+    del vectors
     folder = work / "index"
     index.save(folder)
     del index
+    gc.collect()
     index = EmbeddingIndex.load(folder)
-    result = evaluate_index(index, queries, query_labels, k=10, recall_at=(1,))
+    if width is not None and queries is not None:  # queries cut the same way (as the index's embedder does)
+        queries = cut(queries, width, "bench/compressed.py --widths")
+    result = evaluate_blocks(index, queries, query_labels, length, block)
     row = next(v for r, v in result["rows"].items() if r.startswith("index"))
+    nr = result["neighbour_recall@k"] if width is None else full_width_recall(index, queries, exact_ids())
     out = {"name": name, "bytes": result["bytes_per_vector"], "ms": result["search_ms_per_query"],
-           "nr": result["neighbour_recall@k"], "r1": row["recall@1"], "map": row["map@r"],
+           "nr": nr, "r1": row["recall@1"], "map": row["map@r"],
            "exact_r1": result["rows"]["exact"]["recall@1"], "exact_map": result["rows"]["exact"]["map@r"],
            "build": built, "options": index.options}
     del index
+    gc.collect()
     shutil.rmtree(folder)
-    print(f"  {name}: {out}", file=sys.stderr, flush=True)
+    print(f"  {name}: {out}; peak so far {peak_gib():.2f} GiB, {uptime()}", file=sys.stderr, flush=True)
     return out
 
 
@@ -90,9 +210,18 @@ def table(title: str, rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['name']} | {r['bytes']:.1f} | {r['ms']:.3f} | {100 * r['nr']:.2f} | {100 * r['r1']:.2f} "
                      f"| {100 * r['map']:.2f} | {r['build']:.1f} | {r['options']} |")
-    exact = rows[0]
+    exact = next((r for r in rows if "width" not in r["name"]), rows[0])
     lines.append(f"\n(exact search: Recall@1 {100 * exact['exact_r1']:.2f}, MAP@R {100 * exact['exact_map']:.2f})")
     return "\n".join(lines)
+
+
+def key_values(items: list[str]) -> dict[str, int]:
+    """``["nlist=1024", ...]`` -> ``{"nlist": 1024, ...}`` (index options of a row)."""
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        out[name] = int(value)
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -103,33 +232,59 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--clusters", type=int, default=10_000)
     p.add_argument("--spread", type=float, default=0.5, help="centre norm / noise norm")
     p.add_argument("--queries", type=int, default=200, help="synthetic queries")
+    p.add_argument("--query_block", type=int, default=20, help="synthetic queries per evaluate_index call")
     p.add_argument("--rescore", type=int, nargs="+", default=[10, 20, 50, 100, 200], help="N of --rescore")
+    p.add_argument("--widths", type=int, nargs="*", default=[], help="rows of the leading W dimensions")
+    p.add_argument("--ivf_pq", nargs="*", default=[], help="options of the ivf_pq row, name=value (default: the "
+                   "library's defaults)")
+    p.add_argument("--hnsw", nargs="*", default=[], help="options of the hnsw row, name=value")
     p.add_argument("--kinds", nargs="+", default=None, help="only the rows whose name starts with one of these")
+    p.add_argument("--work", default=None, help="folder for the data file and the index (default: a temporary one)")
     a = p.parse_args(argv)
     print(f"command: python bench/compressed.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     print(f"before: {uptime()}; torch threads {torch.get_num_threads()}")
-    rows = [c for c in configs(a.rescore) if not a.kinds or any(c[0].startswith(k) for k in a.kinds)]
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(dir=a.work) as tmp:
         work = Path(tmp)
         if a.predictions:
             from lightning_dml.callbacks import load_predictions
 
             data = load_predictions(a.predictions)
             emb, labels = data["embeddings"].float(), [str(int(v)) for v in data["labels"]]
+            rows = [c for c in configs(a.rescore, key_values(a.ivf_pq), key_values(a.hnsw), a.widths, "Matryoshka")
+                    if not a.kinds or any(c[0].startswith(k) for k in a.kinds)]
+            exact = exact_full_width(emb, None, 0) if a.widths else None
             began = time.perf_counter()
-            out = [measure(n, k, o, emb, labels, None, None, work) for n, k, o in rows]
+            out = [measure(n, k, o, w, lambda: emb, labels, None, None, work, 0, 0, lambda: exact)
+                   for n, k, o, w in rows]
             print(table(f"Glyphs test gallery: {emb.shape[0]} x {emb.shape[1]}, all-vs-all "
                         f"({time.perf_counter() - began:.0f} s)", out))
         if a.size:
             began = time.perf_counter()
-            gallery, gl = clustered(a.size, a.dim, a.clusters, a.spread, seed=1)
+            path = work / "gallery.npy"
+            gl = clustered_file(path, a.size, a.dim, a.clusters, a.spread, seed=1)
             queries, ql = clustered(a.queries, a.dim, a.clusters, a.spread, seed=2)
+            length, every_query_has_r = list_length(gl, ql, k=10)
+            block = a.query_block if every_query_has_r else a.queries
             glabels, qlabels = [str(v) for v in gl.tolist()], [str(v) for v in ql.tolist()]
-            out = [measure(n, k, o, gallery, glabels, queries, qlabels, work) for n, k, o in rows]
+
+            def gallery() -> torch.Tensor:  # copy-on-write map: writable for torch, pages read on demand
+                return torch.from_numpy(np.load(path, mmap_mode="c"))
+
+            exact: list[torch.Tensor] = []
+
+            def exact_ids() -> torch.Tensor:
+                if not exact:
+                    exact.append(exact_full_width(gallery(), queries, block))
+                    gc.collect()
+                return exact[0]
+
+            rows = [c for c in configs(a.rescore, key_values(a.ivf_pq), key_values(a.hnsw), a.widths, "cut")
+                    if not a.kinds or any(c[0].startswith(k) for k in a.kinds)]
+            out = [measure(n, k, o, w, gallery, glabels, queries, qlabels, work, length, block, exact_ids)
+                   for n, k, o, w in rows]
             print(table(f"Synthetic: {a.size} x {a.dim}, {a.clusters} clusters, {a.queries} queries "
                         f"({time.perf_counter() - began:.0f} s)", out))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    print(f"after: {uptime()}; peak resident memory {peak:.1f} GiB")
+    print(f"after: {uptime()}; peak resident memory {peak_gib():.1f} GiB")
 
 
 if __name__ == "__main__":
