@@ -193,8 +193,8 @@ def _build_onnx(args: argparse.Namespace, out: Path) -> None:
              ("--num_workers", args.num_workers != 0))
     torch_only = [option for option, set_ in given if set_]
     if torch_only:
-        raise IndexCommandError(f"{torch_only[0]} is an option of the torch runtime (Lightning's predict loop or the "
-                                "torch index): leave it out with --runtime onnx")
+        raise IndexCommandError(f"{torch_only[0]} is an option of the torch runtime (Lightning's predict loop): "
+                                "leave it out with --runtime onnx")
     device = {"gpu": "cuda"}.get(args.accelerator, args.accelerator)
     index = build_index_onnx(args.config, args.ckpt_path, args.gallery, args.kind, out, split=args.split,
                              shards=args.shards, device=device, batch_size=args.batch_size, overwrite=args.overwrite,
