@@ -353,3 +353,7 @@ def test_calibrate_on_the_store_stores_the_folders_threshold_and_search_and_serv
     for command in (["search", *store, str(query)], ["serve", *store]):
         line = _one_error(command)
         assert "calibrated with checkpoint sha256 000000" in line and "another model" in line
+    line = _one_error(["index", "calibrate", "--store", "milvus", "--index", "calibrated", *labelled])
+    assert "--store milvus needs --uri" in line
+    line = _one_error(["index", "calibrate", "--store", "milvus", "--uri", db, "--index", "nothing", *labelled])
+    assert "Milvus collection nothing" in line and "does not exist" in line
