@@ -140,7 +140,8 @@ def fnmr_threshold(embeddings: Tensor, labels: Tensor, fnmr: str | float, metric
     exact engine's approximate tiles (:func:`~lightning_dml.metrics.functional.score_tile`) with their error bound,
     the pairs within the bound of ``theta`` re-scored exactly. ``options``: those of
     :func:`~lightning_dml.metrics.functional.prepare` / ``build_search`` (``indices``, ``query_mask``,
-    ``gallery_mask``, ``sequence``, ``device``; ``query_block``, ``gallery_chunk``, ``tile_memory``). Returns what :func:`pair_threshold` returns."""
+    ``gallery_mask``, ``sequence``, ``device``; ``query_block``, ``gallery_chunk``, ``tile_memory``). Returns what
+    :func:`pair_threshold` returns."""
     from fractions import Fraction
 
     from lightning_dml.metrics.functional import build_search, prepare, score_tile
