@@ -106,6 +106,8 @@ def test_add_remove_reopen_as_the_faiss_index_does(db):
     milvus = MilvusIndex.build(x, table, "cosine", uri=db, collection="changes")
     faiss_flat = EmbeddingIndex.build(x, table, "flat", "cosine")
     extra = torch.randn(4, x.shape[1], generator=torch.Generator().manual_seed(2))
+    calibration = {"threshold": 0.5, "checkpoint_sha256": None}  # stored by another handle (index calibrate)
+    MilvusIndex.open(db, "changes").update_manifest(lambda manifest: setattr(manifest, "calibration", calibration))
     added = milvus.add(extra, ["n0", "n1", "n2", "n3"], ["a", "b", "a", "b"])
     assert torch.equal(added, faiss_flat.add(extra, ["n0", "n1", "n2", "n3"], ["a", "b", "a", "b"]))
     gone = [int(table.ids[0]), int(added[-1]), int(table.ids[9])]
@@ -115,6 +117,7 @@ def test_add_remove_reopen_as_the_faiss_index_does(db):
     milvus.close()
     again = MilvusIndex.open(db, "changes")  # the store holds it: reopened, same answers, ids never reused
     assert len(again) == len(faiss_flat) == 30 + 4 - 3
+    assert again.manifest.calibration == calibration  # kept by the add of a handle opened before it was stored
     probe = torch.cat([queries, extra])
     assert torch.equal(again.search(probe, 5)[1], faiss_flat.search(probe, 5)[1])
     assert not set(gone) & set(again.search(probe, len(again))[1].flatten().tolist())

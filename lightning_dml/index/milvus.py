@@ -589,6 +589,8 @@ class MilvusIndex:
             raise ValueError(f"{n} embeddings, {len(paths)} paths and {len(labels)} labels")
         stored = self._read_manifest()  # the next id as stored now
         self.manifest.next_id = max(self.manifest.next_id, stored.next_id)
+        # and the calibration as stored now (index calibrate since this object opened the gallery: the same model)
+        self.manifest.calibration = stored.calibration
         ids = np.arange(self.manifest.next_id, self.manifest.next_id + n, dtype=np.int64)
         self.manifest.next_id += n
         self.write_manifest()
