@@ -22,7 +22,7 @@ import pytest
 import torch
 
 HERE = Path(__file__).resolve()
-pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="gloo")
+pytestmark = [pytest.mark.skipif(sys.platform == "win32", reason="gloo"), pytest.mark.slow]  # two more processes
 
 
 def _result(cli) -> dict:
