@@ -76,7 +76,7 @@ def test_anatomy_follows_the_wrapped_loss_and_default_widths():
 @pytest.mark.parametrize(
     "kwargs, needle",
     [
-        ({"loss": "cross_batch_memory"}, "cannot wrap CrossBatchMemory: it is not a pair loss"),
+        ({"loss": "cross_batch_memory"}, "cannot wrap CrossBatchMemory: it is neither a pair loss"),
         ({"loss": "matryoshka"}, "cannot wrap itself"),
         ({"widths": [4, 4]}, "strictly increasing"),
         ({"widths": [0, 4]}, "integer >= 1"),

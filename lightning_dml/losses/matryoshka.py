@@ -52,7 +52,7 @@ class MatryoshkaLoss(nn.Module):
     (Kusupati et al., NeurIPS 2022, Eq. (1)): ``sum_m c_m loss_m(z[:, :d_m], labels)``.
 
     Each cut is handed to the wrapped loss as raw embeddings, so it is L2-normalised exactly where the wrapped loss
-    normalises (its own ``normalize``; N-pair does not). Reference embeddings (cross-batch memory, DDP's gathered
+    normalises (its own ``normalize``; N-pair does not). Reference embeddings (``ref_embeddings``, DDP's gathered
     rows) are cut the same way, and a miner's ``indices_tuple`` is passed to every width (it was mined on the full
     embedding: ``DMLModule`` runs the miner once).
 
@@ -80,8 +80,8 @@ class MatryoshkaLoss(nn.Module):
     the single-process global-batch loss; with ``"global_batch"`` (Proxy-Anchor) every width sees the gathered batch;
     the per-sample proxy losses (``None``) are exact under DDP without gathering. Label sets, reference embeddings,
     miners and ``anchor_chunk_size`` are supported exactly where the wrapped loss supports them. Not supported:
-    Partial FC's ``sharded`` proxies (refused), Cross-Batch Memory inside it (wrap the Matryoshka loss in the
-    memory instead: its references are cut like the batch).
+    Partial FC's ``sharded`` proxies (refused), Cross-Batch Memory (refused inside it, and it refuses a
+    MatryoshkaLoss).
     """
 
     # anatomy (see PairLoss): the class values are those of the default wrapped loss (multi-similarity); every
@@ -156,8 +156,8 @@ class MatryoshkaLoss(nn.Module):
                 )
             if not isinstance(loss, PairLoss):
                 raise ValueError(
-                    f"{where} cannot wrap {type(loss).__name__}: it is not a pair loss. Wrap the MatryoshkaLoss in "
-                    f"it instead (its reference embeddings are then cut like the batch)"
+                    f"{where} cannot wrap {type(loss).__name__}: it is neither a pair loss (a PairLoss of "
+                    "lightning_dml.losses) nor a loss with parameters"
                 )
             self.loss = loss
         for name in _ANATOMY:
