@@ -124,6 +124,11 @@ def test_anatomy_follows_the_wrapped_loss_with_parameters():
     assert (pa.has_parameters, pa.needs_num_classes, pa.gather_mode, pa.needs_positive_pairs) == (
         True, True, "global_batch", False)
     assert MatryoshkaLoss("arcface").gather_mode is None  # per-sample: exact under DDP without gathering
+    from lightning_dml.checks import check_gather_combination
+
+    with pytest.raises(ValueError, match="gather_distributed=True cannot be used with .*per-sample") as err:
+        check_gather_combination(MatryoshkaLoss("arcface"), True)  # what DMLModule says at fit start
+    assert "\n" not in str(err.value)
     margin = MatryoshkaLoss(build_loss("margin", class_margins=False), widths=[2, 8])
     assert margin.is_complete and not margin.needs_num_classes and margin.needs_embedding_dim
     assert [tuple(p.shape) for p in margin.parameters()] == [(1,), (1,)]  # a beta per width
