@@ -31,7 +31,7 @@ from lightning_dml import __version__
 from lightning_dml.callbacks import PeriodicCheckpoint, PredictionWriter, ValidationSummary
 from lightning_dml.callbacks.pairwise_test import PairwiseRerankTest
 from lightning_dml.callbacks.predictions import check_output_path
-from lightning_dml.cli_parsing import exit_with_error, option_names
+from lightning_dml.cli_parsing import exit_with_error, instantiation_reason, option_names
 from lightning_dml.checkpoints import (
     EVALUATION_HPARAMS,
     CheckpointMismatchError,
@@ -42,6 +42,7 @@ from lightning_dml.checkpoints import (
     read_checkpoint,
 )
 from lightning_dml.data.base import DMLDataModule
+from lightning_dml.download import env_flag
 from lightning_dml.entry import COMMANDS, TRAINER_COMMANDS
 from lightning_dml.entry import main as entry_main
 from lightning_dml.errors import CorruptFileError, UserInputError
@@ -402,6 +403,19 @@ class DMLCLI(LightningCLI):
                 f"--ckpt_path {ckpt_path} was saved with other model hyper-parameters than the ones given: {details}. "
                 "Leave these keys out to use the checkpoint's values, or give the checkpoint of such a model"
             )
+
+    def instantiate_classes(self) -> None:
+        """LightningCLI's instantiation, where a class of the configuration that refuses its arguments (a
+        ``ValueError`` or ``TypeError`` of its constructor, ``--model.loss.init_args.alpha -1``: "alpha must be > 0")
+        is one line naming the reason, status 2 as for every configuration error, not jsonargparse's traceback
+        (``--debug`` keeps it)."""
+        try:
+            super().instantiate_classes()
+        except (ValueError, TypeError) as error:
+            if env_flag("LIGHTNING_DML_DEBUG"):
+                raise
+            prog = f"lightning-dml {self.subcommand}" if self.subcommand else "lightning-dml"
+            exit_with_error(prog, f"the configuration was refused: {instantiation_reason(error)}", [])
 
     def before_instantiate_classes(self) -> None:
         """Give back the evaluation settings (:data:`~lightning_dml.checkpoints.EVALUATION_HPARAMS`: ``metrics``,

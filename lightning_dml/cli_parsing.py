@@ -96,6 +96,19 @@ def explain(message: str, options: Iterable[str]) -> str:
     return message.strip()
 
 
+def instantiation_reason(error: BaseException) -> str:
+    """The reason in a constructor's error that jsonargparse re-raised while instantiating a configuration's
+    classes: for a class given where a union of types is accepted (``loss: nn.Module | str``) the message lists
+    each type's error (``- ProxyAnchorLoss: alpha must be > 0, got -1.0``, ``- Expected a <class 'str'>``); the
+    constructor's lines are kept, the union's type mismatches dropped, all on one line."""
+    message = str(error)
+    listed = [line.strip()[2:].strip() for line in message.splitlines() if line.strip().startswith("- ")]
+    reasons = [line for line in listed if not line.startswith("Expected a ")]
+    if reasons:
+        return "; ".join(reasons)
+    return " ".join(message.split())
+
+
 def exit_with_error(prog: str, message: str, options: Iterable[str]) -> NoReturn:
     """Print ``<prog>: error: <one line>`` and where the options are listed on stderr, exit with status 2 (as
     argparse does), no usage block."""
