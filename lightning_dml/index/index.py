@@ -49,6 +49,7 @@ from torch import Tensor
 
 from lightning_dml.errors import UserInputError
 from lightning_dml.index import kinds as K
+from lightning_dml.index.faiss_search import best_k_arrays, faiss_names, faiss_scores, read_shards
 from lightning_dml.index import vectors as V
 from lightning_dml.index.folder import DEFAULT_LOCK_TIMEOUT, IndexBusyError, real_folder, replacing, settle
 from lightning_dml.index.manifest import MANIFEST, IndexFolderError, IndexMismatchError, Manifest, folder_uid
@@ -82,31 +83,12 @@ def best_k(search: Callable[[np.ndarray, int], tuple[Tensor, Tensor]], x: np.nda
     boundary and is searched again with twice as many (at most ``limit``, what the store can return) until the tie
     ends, so that the ``k`` kept are the best ``k`` of everything the store finds for the query, whatever ``k`` and
     the store's sharding or order of equal scores."""
-    fetch = min(k if k >= limit else k + 1, limit)
-    scores, ids = search(x, max(fetch, 1))
-    while fetch < limit:
-        tied = (ids[:, -1] >= 0) & (scores[:, -1] == scores[:, k - 1])
-        if not tied.any():
-            break
-        fetch = min(2 * fetch, limit)
-        more_scores, more_ids = search(x[tied.numpy()], fetch)
-        grown = torch.full((ids.shape[0], fetch), float("-inf")), torch.full((ids.shape[0], fetch), -1)
-        grown[0][:, : scores.shape[1]], grown[1][:, : ids.shape[1]] = scores, ids
-        grown[0][tied], grown[1][tied] = more_scores, more_ids
-        scores, ids = grown
-    by_id = torch.sort(torch.where(ids >= 0, ids, torch.iinfo(torch.int64).max), dim=1, stable=True).indices
-    scores, ids = scores.gather(1, by_id), ids.gather(1, by_id)
-    order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :k]
-    scores, ids = scores.gather(1, order), ids.gather(1, order)
-    if scores.shape[1] < k:  # fewer results than k
-        pad = k - scores.shape[1]
-        scores = torch.cat([scores, torch.full((scores.shape[0], pad), float("-inf"))], 1)
-        ids = torch.cat([ids, torch.full((ids.shape[0], pad), -1, dtype=torch.long)], 1)
-    return scores, ids
+    def search_arrays(queries: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+        scores, ids = search(queries, n)
+        return scores.numpy(), ids.numpy()
 
-
-def _faiss_names(shards: int) -> list[str]:
-    return ["index.faiss"] if shards == 1 else [f"shard-{i}.faiss" for i in range(shards)]
+    scores, ids = best_k_arrays(search_arrays, x, k, limit)  # the rule on arrays: lightning_dml.index.faiss_search
+    return torch.from_numpy(scores), torch.from_numpy(ids)
 
 
 def _link_or_copy(source: str, target: str) -> None:
@@ -381,7 +363,7 @@ class EmbeddingIndex:
                 self._carry(source, staged, link=real_folder(source) == real_folder(folder))
             if add_files is not None:
                 add_files(staged)
-            names = _faiss_names(len(self._shards))
+            names = faiss_names(len(self._shards))
             for name, shard in zip(names, self._shards):
                 faiss.write_index(shard, str(staged / name))
             self.table.write(staged / TABLE)
@@ -440,21 +422,8 @@ class EmbeddingIndex:
 
     @classmethod
     def _load_files(cls, folder: Path, device: str, mmap: bool) -> "EmbeddingIndex":
-        faiss = K.faiss_module()
-
         manifest = Manifest.read(folder)
-        names = _faiss_names(manifest.shards)
-        shards = []
-        for name in names:
-            path = folder / name
-            if not path.is_file():
-                raise IndexFolderError(f"index folder {folder}: {name} is missing (the manifest lists "
-                                       f"{manifest.shards} shard(s))")
-            try:
-                flags = faiss.IO_FLAG_MMAP if mmap and manifest.kind in ("ivf_flat", "ivf_pq") else 0
-                shards.append(faiss.read_index(str(path), flags))
-            except RuntimeError as error:
-                raise IndexFolderError(f"{path} is not a readable faiss index ({str(error).splitlines()[0]})") from None
+        shards = read_shards(folder, manifest, mmap)
         table = IndexTable.read(folder / TABLE)
         try:
             compressed = manifest.options.get("vectors", "float32") != "float32"  # float32 stays on disk
@@ -539,12 +508,8 @@ class EmbeddingIndex:
 
     def _faiss_search(self, x: np.ndarray, k: int) -> tuple[Tensor, Tensor]:
         """faiss's ``k`` results of the float32 queries ``x``, as similarity scores (``-inf`` / ``-1`` padding)."""
-        K.set_search_options(self._faiss, self.kind, self.manifest.options, k)
-        distances, ids = self._faiss.search(x, k)
-        scores, ids = torch.from_numpy(distances), torch.from_numpy(ids)
-        if self.metric == "euclidean" or self.manifest.options.get("vectors") == "binary":  # distances (Hamming)
-            scores = scores.neg()
-        return torch.where(ids >= 0, scores, torch.tensor(float("-inf"))), ids
+        scores, ids = faiss_scores(self._faiss, self.manifest, x, k)
+        return torch.from_numpy(scores), torch.from_numpy(ids)
 
     def vectors(self, ids: Tensor) -> Tensor:
         """The stored vectors (as the index compares them) of ``ids [N]`` -> ``[N, D]`` float32 on ``ids``' device;
