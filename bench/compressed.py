@@ -9,7 +9,9 @@ Usage::
     lightning-dml predict --config configs/glyphs.yaml --ckpt_path CKPT --trainer.default_root_dir /tmp/p
     python bench/compressed.py --predictions /tmp/p/.../predictions.pt --size 0
     python bench/compressed.py --predictions MRL.pt --size 0 --kinds width --widths 16 32 64 128   # Matryoshka
-    python bench/compressed.py --size 1000000 --dim 512 --queries 100 --widths 64 128 256 --ivf_pq nlist=1024
+    python bench/compressed.py --size 1000000 --dim 512 --queries 100 --kinds width --widths 64 128 256
+    OMP_NUM_THREADS=1 python bench/compressed.py --size 1000000 --queries 100 --kinds ivf --ivf_pq nlist=1024 m=32 \
+        --neighbours_only                                 # no Recall@1 / MAP@R: see below
 
 1. **Glyphs** (``--predictions``: a ``lightning-dml predict`` file of the test classes): every item a query
    against the others (all-vs-all, leave-one-out).
@@ -28,8 +30,12 @@ full width: there it is :func:`evaluate_index`'s own).
 Synthetic queries are evaluated in blocks of ``--query_block`` (the exact engine's relevance lists grow with queries
 x gallery): each block asks for lists as long as the whole set's (``recall_at`` includes that length), so every
 query gets the search it gets in one block, and the per-query means are recombined weighted by block size (every
-synthetic query has relevant gallery items; otherwise one block). Prints one markdown table per gallery, the command
-line, ``uptime`` before and after, and the peak resident memory of the process (``getrusage``).
+synthetic query has relevant gallery items; otherwise one block). Even so a full-width row needs about 13 GiB at
+1M x 512 (the exact engine's copies of the gallery inside ``evaluate_index``); ``--neighbours_only`` measures a
+synthetic row without it: bytes, search time (k = 10) and neighbour recall@10 against the exact full-width
+neighbours (the library's engine on gallery chunks), Recall@1 and MAP@R not measured (``nan``). Prints one
+markdown table per gallery, the command line, ``uptime`` before and after, and the peak resident memory of the
+process (``getrusage``).
 """
 
 from __future__ import annotations
