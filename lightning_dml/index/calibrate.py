@@ -39,14 +39,14 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from lightning_dml.errors import UserInputError
 from lightning_dml.index.folder import DEFAULT_LOCK_TIMEOUT, locked
 from lightning_dml.index.manifest import IndexFolderError, IndexMismatchError, Manifest
+
+if TYPE_CHECKING:  # torch is imported where it is used: check_calibration serves the torch-free ONNX search
+    from torch import Tensor
 
 __all__ = [
     "CalibrationError",
@@ -95,6 +95,8 @@ def parse_rate(text: str | float, option: str = "--fmr") -> str:
 def as_indexed(embeddings: Tensor, metric: str) -> Tensor:
     """Raw embeddings ``[N, D]`` in the form an index stores its vectors: float32, L2-normalised for ``cosine``
     (as :meth:`~lightning_dml.index.EmbeddingIndex.build` does), unchanged for ``euclidean``."""
+    import torch
+
     x = embeddings.detach().float()
     return torch.nn.functional.normalize(x, dim=1) if metric == "cosine" else x
 
@@ -142,6 +144,8 @@ def fnmr_threshold(embeddings: Tensor, labels: Tensor, fnmr: str | float, metric
     :func:`~lightning_dml.metrics.functional.prepare` / ``build_search`` (``indices``, ``query_mask``,
     ``gallery_mask``, ``sequence``, ``device``; ``query_block``, ``gallery_chunk``, ``tile_memory``). Returns what
     :func:`pair_threshold` returns."""
+    import torch
+
     from fractions import Fraction
 
     from lightning_dml.metrics.functional import build_search, prepare, score_tile
@@ -186,6 +190,8 @@ def pair_scores(queries: Tensor, gallery: Tensor, metric: str = "cosine") -> Ten
     """Exact float64 scores ``[P]`` of the pairs ``(queries[i], gallery[i])`` (``[P, D]`` each), by the exact
     engine's scorer (:meth:`Scorer.exact` of :func:`~lightning_dml.metrics.functional.build_search`): bit for bit
     the scores :func:`pair_threshold` ranks (a pair's score does not depend on the other pairs)."""
+    import torch
+
     from lightning_dml.metrics.functional import build_search, prepare
 
     n = queries.shape[0]
@@ -230,6 +236,8 @@ def match_flags(index: Any, queries: Tensor, ids: Tensor) -> Tensor | None:
     """``[Q, k]`` bool: whether each result ``ids[q, j]`` (``-1``: padding, never a match) matches the raw query
     embedding ``queries[q]`` under the index's calibrated threshold (exact score ``>`` threshold, module
     docstring); ``None`` when the index was not calibrated."""
+    import torch
+
     cal = check_calibration(index.manifest, str(getattr(index, "folder", None) or ""))
     if cal is None:
         return None
@@ -248,6 +256,8 @@ def mark_results(index: Any, queries: Tensor, scores: Tensor, ids: Tensor,
     """``index.results(scores, ids)`` with ``"match": true|false`` added to each row of a calibrated index
     (:func:`match_flags`); ``matches_only`` keeps the matching rows only (a :class:`CalibrationError` on an index
     that was not calibrated)."""
+    import torch
+
     flags = match_flags(index, queries, ids)
     if flags is None:
         if matches_only:
@@ -292,6 +302,8 @@ def load_labelled(index: Any, source: str, split: str | None = None) -> tuple[Te
     """``(raw embeddings [N, D], integer labels [N], identity)`` of the labelled set ``source``: a ``lightning-dml
     predict`` file (``.pt``; its checkpoint sha256 must be the index's) or images (a folder of class folders or a
     table with labels) embedded with the index's exported model."""
+    import torch
+
     if str(source).endswith(".pt"):
         from lightning_dml.callbacks.predictions import load_predictions
 

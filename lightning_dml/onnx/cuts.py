@@ -4,8 +4,8 @@ The torch runtime's definitions, computed with NumPy because their modules impor
 
 * :func:`threshold_keep`: :func:`lightning_dml.index.cut.threshold_mask`: a result is kept when it is a real one
   (id >= 0) with ``score >= T``; dropped results become padding (:func:`lightning_dml.index.cut.apply_mask`);
-* :func:`calibrated_threshold`: the checks of :func:`lightning_dml.index.calibrate.check_calibration` (a finite
-  threshold, the rule ``score > threshold`` and the index's metric, the index's checkpoint sha256), same messages;
+* :func:`calibrated_threshold`: :func:`lightning_dml.index.calibrate.check_calibration`'s threshold (that module
+  imports torch only where it computes);
 * :func:`match_flags`: :func:`lightning_dml.index.calibrate.match_flags`: a result matches when the exact float64
   score of the query (in the form the index stores vectors: float32, L2-normalised for ``cosine``) and the stored
   vector is strictly greater than the threshold; the cosine is the exact engine's
@@ -23,13 +23,10 @@ from typing import Any
 import numpy as np
 
 from lightning_dml.errors import UserInputError
-from lightning_dml.index.manifest import IndexFolderError, IndexMismatchError, Manifest
+from lightning_dml.index.calibrate import check_calibration
+from lightning_dml.index.manifest import Manifest
 
 __all__ = ["apply_keep", "calibrated_threshold", "match_flags", "parse_threshold", "threshold_keep"]
-
-#: how a score is compared with the threshold (lightning_dml.index.calibrate.RULE)
-RULE = "score > threshold"
-
 
 class OnnxCutError(UserInputError, ValueError):
     """A ``--threshold`` that is not a finite number, or ``--matches_only`` on an uncalibrated index."""
@@ -60,27 +57,11 @@ def apply_keep(scores: np.ndarray, ids: np.ndarray, keep: np.ndarray) -> tuple[n
 
 
 def calibrated_threshold(manifest: Manifest, where: str = "") -> float | None:
-    """The index's calibrated threshold (``None`` when it was not calibrated); one line for a malformed calibration
-    or one of another checkpoint (the messages of :func:`lightning_dml.index.calibrate.check_calibration`)."""
-    cal: Any = manifest.calibration
-    if cal is None:
-        return None
-    folder = where or "the index"
-    threshold = cal.get("threshold") if isinstance(cal, dict) else None
-    if not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or not math.isfinite(float(threshold)):
-        raise IndexFolderError(f"{folder}: manifest.json's calibration is malformed (no finite threshold); calibrate "
-                               "again (lightning-dml index calibrate)")
-    if cal.get("rule", RULE) != RULE or cal.get("metric", manifest.metric) != manifest.metric:
-        raise IndexFolderError(f"{folder}: manifest.json's calibration has rule {cal.get('rule')!r} and metric "
-                               f"{cal.get('metric')!r}, expected {RULE!r} and {manifest.metric!r}; calibrate again")
-    mine = manifest.checkpoint_sha256
-    if cal.get("checkpoint_sha256") != mine:
-        raise IndexMismatchError(
-            f"{folder}: its match threshold was calibrated with checkpoint sha256 {cal.get('checkpoint_sha256')}, the "
-            f"index holds embeddings of checkpoint sha256 {mine}: a threshold of another model is refused; calibrate "
-            "again (lightning-dml index calibrate)"
-        )
-    return float(threshold)
+    """The index's calibrated threshold (``None`` when it was not calibrated), checked by
+    :func:`lightning_dml.index.calibrate.check_calibration` (which imports no torch): one line for a malformed
+    calibration or one of another checkpoint."""
+    cal = check_calibration(manifest, where)
+    return None if cal is None else float(cal["threshold"])
 
 
 def match_flags(queries: np.ndarray, ids: np.ndarray, vectors: np.ndarray, rows_of: Any, metric: str,
