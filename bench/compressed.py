@@ -251,7 +251,7 @@ def table(title: str, rows: list[dict]) -> str:
         lines.append(f"| {r['name']} | {r['bytes']:.1f} | {r['ms']:.3f} | {100 * r['nr']:.2f} | {100 * r['r1']:.2f} "
                      f"| {100 * r['map']:.2f} | {r['build']:.1f} | {r['options']} |")
     exact = next((r for r in rows if "width" not in r["name"]), None)  # a width row's exact search is its own
-    if exact is not None:
+    if exact is not None and exact["exact_r1"] == exact["exact_r1"]:  # not NaN: measured (no --neighbours_only)
         lines.append(f"\n(exact search: Recall@1 {100 * exact['exact_r1']:.2f}, MAP@R {100 * exact['exact_map']:.2f})")
     return "\n".join(lines)
 
