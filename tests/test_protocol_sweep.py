@@ -193,7 +193,8 @@ def _sweep_args(tmp_path: Path, budget: dict, run_dir: Path, *extra: str, wandb:
 def _worker(args: list[str], glyphs: Path, log: Path) -> subprocess.Popen:
     """The real ``lightning-dml`` entry point in a fresh process, serving the Glyphs subset."""
     code = "from tests import glyph_cache; glyph_cache.install_from_env(); from lightning_dml.cli import main; main()"
-    env = {**os.environ, glyph_cache.ENV: str(glyphs), "PYTHONPATH": str(ROOT)}
+    # one thread, as the DDP tests' processes: two of these workers run at once, beside another pytest worker
+    env = {**os.environ, glyph_cache.ENV: str(glyphs), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     handle = open(log, "w")
     return subprocess.Popen([sys.executable, "-c", code, *args], env=env, cwd=log.parent, stdout=handle,
                             stderr=subprocess.STDOUT)
