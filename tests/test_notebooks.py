@@ -2,8 +2,8 @@
 
 ``quickstart.ipynb`` trains, evaluates and saves a checkpoint and the test embeddings into the working folder;
 ``embeddings.ipynb`` then loads them from the same folder. The only changes made to the notebooks are a first cell
-that serves the Glyphs font renderings from the session's cache (tests/glyph_cache.py) and, in the quickstart, fewer
-training steps (a cell after its ``parameters`` cell), both to save time.
+that serves the Glyphs font renderings from the session's cache (tests/glyph_cache.py) and a cell after each one's
+``parameters`` cell: one torch thread and, in the quickstart, fewer training steps, all to save time.
 """
 
 from __future__ import annotations
@@ -23,16 +23,18 @@ NOTEBOOKS = ROOT / "notebooks"
 #: What the test sets in quickstart.ipynb's parameters cell: fewer training steps (the notebook's 3 epochs of 20
 #: steps were most of the suite's longest test); the notebook still asserts that training improved Recall@1.
 QUICKSTART_TEST_PARAMETERS = "EPOCHS = 2\nSTEPS_PER_EPOCH = 10"
+#: Run after every notebook's parameters cell: one torch thread, as every process of the suite, for the notebooks'
+#: two (beside another pytest worker the second thread mostly spins: the quickstart's fit took 5x the CPU time)
+ONE_THREAD = "torch.set_num_threads(1)"
 
 
-def _run(name: str, workdir: Path, cache: Path, parameters: str | None = None) -> nbformat.NotebookNode:
+def _run(name: str, workdir: Path, cache: Path, parameters: str = "") -> nbformat.NotebookNode:
     """Execute notebook ``name`` in ``workdir``; ``parameters``: code run right after its cell tagged
-    ``parameters`` (as papermill does), replacing the values set there."""
+    ``parameters`` (as papermill does), replacing the values set there (after :data:`ONE_THREAD`)."""
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
-    if parameters is not None:
-        tagged = [i for i, cell in enumerate(notebook.cells) if "parameters" in cell.metadata.get("tags", [])]
-        assert len(tagged) == 1, f"{name}: one cell tagged 'parameters'"
-        notebook.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(parameters))
+    tagged = [i for i, cell in enumerate(notebook.cells) if "parameters" in cell.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{name}: one cell tagged 'parameters'"
+    notebook.cells.insert(tagged[0] + 1, nbformat.v4.new_code_cell(f"{ONE_THREAD}\n{parameters}"))
     setup = (
         f"import sys; sys.path.insert(0, {str(ROOT)!r})\n"
         f"from tests.glyph_cache import install; install({str(cache)!r})"
@@ -64,7 +66,7 @@ def _images(notebook: nbformat.NotebookNode) -> int:
 def test_quickstart_then_embeddings_notebook(tmp_path, tmp_path_factory, monkeypatch):
     cache = tmp_path_factory.getbasetemp() / glyph_cache.FILENAME
     glyph_cache.install(cache)  # written once per session
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the kernel's OpenMP (t-SNE's too); torch's: ONE_THREAD
     monkeypatch.delenv("MPLBACKEND", raising=False)  # the kernel's inline backend puts the figures in the outputs
     assert sys.executable  # the kernel is this interpreter's ipykernel
 
@@ -89,7 +91,7 @@ def test_quickstart_then_embeddings_notebook(tmp_path, tmp_path_factory, monkeyp
 
 
 @pytest.mark.slow
-def test_embeddings_notebook_reads_a_checkpoint_with_its_run_config(tmp_path, tmp_path_factory, capsys):
+def test_embeddings_notebook_reads_a_checkpoint_with_its_run_config(tmp_path, tmp_path_factory, capsys, monkeypatch):
     """Issue 27 s.2: embeddings.ipynb loads a lightning-dml checkpoint with the config its run saved (not only the
     quickstart's files), embeds the test split and shows the same Recall@1 as the library's metrics."""
     import torch
@@ -103,6 +105,7 @@ def test_embeddings_notebook_reads_a_checkpoint_with_its_run_config(tmp_path, tm
 
     cache = tmp_path_factory.getbasetemp() / glyph_cache.FILENAME
     glyph_cache.install(cache)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     config = {
         "model": {"backbone": {"class_path": "lightning_dml.models.SmallConvNet", "init_args": {"width": 4}},
                   "embedding_dim": 8, "clustering": False},
