@@ -25,7 +25,8 @@ demo: $(STAMP)
 
 # pytest-xdist workers: one per core, at most 4 (each worker holds torch in memory and runs on one thread)
 JOBS   ?= $(shell $(PYTHON) -c "import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))" 2>/dev/null || echo 2)
-PYTEST := $(PY) -m pytest -q -n $(JOBS) --dist worksteal
+# -rs: the skipped tests and their reasons at the end of the log (CI shows whether peft, Milvus Lite, chromium ran)
+PYTEST := $(PY) -m pytest -q -rs -n $(JOBS) --dist worksteal
 
 ## peft (LoRA adapters, the `peft` extra) and what it pulls in, in a folder of their own put on PYTHONPATH for the
 ## adapter tests only: in the venv, transformers would be imported by torchmetrics in every test process (+0.8 s each,
