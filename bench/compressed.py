@@ -30,7 +30,7 @@ full width: there it is :func:`evaluate_index`'s own).
 Synthetic queries are evaluated in blocks of ``--query_block`` (the exact engine's relevance lists grow with queries
 x gallery): each block asks for lists as long as the whole set's (``recall_at`` includes that length), so every
 query gets the search it gets in one block, and the per-query means are recombined weighted by block size (every
-synthetic query has relevant gallery items; otherwise one block). Even so a full-width row needs about 13 GiB at
+synthetic query has relevant gallery items; otherwise one block). Even so a full-width row needs about 15 GiB at
 1M x 512 (the exact engine's copies of the gallery inside ``evaluate_index``); ``--neighbours_only`` measures a
 synthetic row without it: bytes, search time (k = 10) and neighbour recall@10 against the exact full-width
 neighbours (the library's engine on gallery chunks), Recall@1 and MAP@R not measured (``nan``). Prints one
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hnsw", nargs="*", default=[], help="options of the hnsw row, name=value")
     p.add_argument("--kinds", nargs="+", default=None, help="only the rows whose name starts with one of these")
     p.add_argument("--neighbours_only", action="store_true", help="synthetic: no evaluate_index (its exact engine "
-                   "needs ~13 GiB at 1M x 512): bytes, ms / query, neighbour recall@10 only")
+                   "needs ~15 GiB at 1M x 512): bytes, ms / query, neighbour recall@10 only")
     p.add_argument("--work", default=None, help="folder for the data file and the index (default: a temporary one)")
     a = p.parse_args(argv)
     print(f"command: python bench/compressed.py {' '.join(sys.argv[1:] if argv is None else argv)}")
