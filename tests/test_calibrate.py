@@ -96,6 +96,30 @@ def test_bad_rates_and_sets_are_one_line_errors():
         pair_threshold(x, torch.zeros(6, dtype=torch.long), "0.1")
 
 
+def test_pair_scores_list_no_relevant_pairs_and_equal_a_loop(monkeypatch):
+    """pair_scores scores P aligned pairs: its search task must list no relevant pairs (with one label for all it
+    listed P^2: the match flags of 1,246 queries x 10 results asked for 1.6e8 pairs), and each score is the
+    float64 cosine of its pair."""
+    from lightning_dml.index.calibrate import pair_scores
+    from lightning_dml.metrics._task import RetrievalTask
+
+    seen = []
+    init = RetrievalTask.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        seen.append(int(self.pos_gpos.numel()))
+
+    monkeypatch.setattr(RetrievalTask, "__init__", spy)
+    g = torch.Generator().manual_seed(2)
+    q, v = torch.randn(25, 6, generator=g), torch.randn(25, 6, generator=g)
+    got = pair_scores(q, v)
+    want = torch.stack([torch.dot(a.double(), b.double()) / (a.double().norm() * b.double().norm())
+                        for a, b in zip(q, v)])
+    assert seen == [0]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
 def test_match_flags_at_a_tied_threshold_follow_the_strict_rule():
     """Results whose exact score equals the threshold are not matches (score > threshold, as fnmr@fmr), and
     matches_only keeps exactly the others; integer vectors make many scores equal the threshold exactly."""

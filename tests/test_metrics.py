@@ -132,6 +132,26 @@ def test_query_vs_gallery_knn() -> None:
     assert idx[0, :2].tolist() == [5, 6]
 
 
+@pytest.mark.parametrize("with_gallery", [False, True])
+def test_knn_lists_no_relevant_pairs(monkeypatch, with_gallery: bool) -> None:
+    """A neighbour search has no labels: its task must list no relevant pairs. With one label for every item it
+    listed all Q x M pairs (N^2 for a self-search: 20,000 items ran out of 24 GiB) and searched for R = all
+    of them."""
+    from lightning_dml.metrics._task import RetrievalTask
+
+    seen = []
+    init = RetrievalTask.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        seen.append(int(self.pos_gpos.numel()))
+
+    monkeypatch.setattr(RetrievalTask, "__init__", spy)
+    x = torch.randn(30, 4, generator=torch.Generator().manual_seed(0))
+    scores, idx = F.knn(x[:7], x, k=3) if with_gallery else F.knn(x, k=3)
+    assert seen == [0] and idx.shape == (7 if with_gallery else 30, 3) and bool((idx >= 0).all())
+
+
 def test_tie_rule_smaller_index_first() -> None:
     """Query 0 has a negative (index 1) and a positive (index 2) at identical similarity: R@1 = 0, R@2 = 1."""
     x = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [-1.0, 0.0]])

@@ -200,7 +200,8 @@ def pair_scores(queries: Tensor, gallery: Tensor, metric: str = "cosine") -> Ten
     x = torch.cat([queries.detach().float(), gallery.detach().float().to(queries.device)])
     is_query = torch.zeros(2 * n, dtype=torch.bool, device=x.device)
     is_query[:n] = True
-    ps = prepare(x, torch.zeros(2 * n, dtype=torch.long, device=x.device), None, is_query, ~is_query)
+    # every row a label of its own: no relevant pairs listed (one label for all listed all n^2 pairs)
+    ps = prepare(x, torch.arange(2 * n, device=x.device), None, is_query, ~is_query)
     _, scorer, _ = build_search(ps, metric=metric, precision="fp32")
     rows = torch.arange(n, device=x.device)
     return scorer.exact(rows, rows + n) / scorer.score_scale

@@ -186,7 +186,9 @@ class Scorer:
         self.rep = low.contiguous()
         self.resid = resid
         # an input of the bound only: any float64 summation order will do (its error is covered by the margin)
-        self.rep_norm = torch.linalg.vector_norm(self.rep, dim=1, dtype=torch.float64)
+        # in chunks: a float64 copy of the whole gallery at once would double its memory (1M x 512: 4 GB more)
+        self.rep_norm = torch.cat([torch.linalg.vector_norm(self.rep[s : s + _CHUNK], dim=1, dtype=torch.float64)
+                                   for s in range(0, max(len(self.rep), 1), _CHUNK)])
         self._acc_u = accumulation_unit(self.device, precision)
         if metric == "euclidean":
             self.sq32 = (x * x).sum(dim=1)  # float32 squared norms used by the approximate pass

@@ -531,10 +531,12 @@ def knn(
         raise ValueError(f"k must be >= 1, got {k}")
     if metric not in ("cosine", "euclidean"):
         raise ValueError(f"metric must be 'cosine' or 'euclidean', got {metric!r}")
+    # every item a label of its own: a neighbour search has no relevant items (with one label for all, the task
+    # would list every query-gallery pair as a positive: Q x M pairs, N^2 for a self-search)
     if gallery is None:
         n = query.shape[0] if isinstance(query, Tensor) and query.ndim == 2 else 0
         dev = query.device if isinstance(query, Tensor) else None
-        ps = prepare(query, torch.zeros(n, dtype=torch.long, device=dev), device=device)
+        ps = prepare(query, torch.arange(n, device=dev), device=device)
     else:
         if not isinstance(gallery, Tensor) or gallery.ndim != 2 or query.ndim != 2 or gallery.shape[1] != query.shape[1]:
             raise ValueError(
@@ -545,7 +547,7 @@ def knn(
         emb = torch.cat([query.detach().float(), gallery.detach().float().to(query.device)])
         qm = torch.zeros(nq + ng, dtype=torch.bool, device=query.device)
         qm[:nq] = True
-        ps = prepare(emb, torch.zeros(nq + ng, dtype=torch.long, device=query.device), None, qm, ~qm, device=device)
+        ps = prepare(emb, torch.arange(nq + ng, device=query.device), None, qm, ~qm, device=device)
     task, scorer, grid = build_search(ps, metric=metric, precision=precision)
     res, _ = run_search(task, scorer, grid, SearchRequest(k=int(k), rank_ks=(), exact_scores=True))
     scores = res.scores if scorer.score_scale == 1.0 else res.scores / scorer.score_scale
