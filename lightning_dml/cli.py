@@ -411,6 +411,8 @@ class DMLCLI(LightningCLI):
         (``--debug`` keeps it)."""
         try:
             super().instantiate_classes()
+        except UserInputError:
+            raise  # the library's own refusals keep their message and status (lightning_dml.entry.main)
         except (ValueError, TypeError) as error:
             if env_flag("LIGHTNING_DML_DEBUG"):
                 raise

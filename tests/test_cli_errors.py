@@ -110,7 +110,7 @@ def test_a_value_a_class_refuses_is_one_line_with_its_reason(capsys):
     """A constructor's ValueError (the loss's ``alpha must be > 0``), raised while jsonargparse instantiates a
     class given for a union-typed argument (``loss: nn.Module | str``), is the constructor's reason in one line,
     not jsonargparse's traceback with the union's type mismatches."""
-    line = _one_line(capsys, ["fit", "--config", str(GLYPHS), "--model.loss", "ProxyAnchorLoss",
+    line = _one_line(capsys, ["fit", "--config", str(GLYPHS), "--model.loss", "lightning_dml.losses.ProxyAnchorLoss",
                               "--model.loss.init_args.alpha", "-1"])
     assert line == ("lightning-dml fit: error: the configuration was refused: ProxyAnchorLoss: alpha must be > 0, "
                     "got -1.0"), line

@@ -63,7 +63,7 @@ NOT_RUN: list[tuple[str, str]] = [
     (r"\bbench/", "a benchmark (minutes; its figures are in docs/benchmarks.md)"),
     (r"^git\b", "changes the repository (git worktree)"),
     (r"configs/(cub200|cars196|sop|inshop)/", "needs a downloaded benchmark dataset (CUB, Cars, SOP, In-shop)"),
-    (r"\[--|\b(CONFIG|CKPT|DIR|PATH|IMAGE_OR_FOLDER_OR_CSV)\b|<[a-z' ]+>|--config \.\.\.",
+    (r"\[--|\b(CONFIG|CKPT|DIR|PATH|URI|IMAGE_OR_FOLDER_OR_CSV)\b|<[a-z' ]+>|--config \.\.\.",
      "a synopsis: placeholders (UPPERCASE, <...>, [optional]) that the page's examples fill in"),
     (r"\b(my|ms|ms_space|space|budget)\.yaml\b", "the user's own files, which the page shows but does not write"),
     (r"^lightning-dml cv --aggregate", "aggregates the folds of the SLURM array above it"),
