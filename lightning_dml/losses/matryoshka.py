@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_dml.input_checks import check_embeddings
-from lightning_dml.losses.base import PairLoss, check_inputs, label_sets_error, normalize_embeddings
+from lightning_dml.losses.base import PairLoss, label_sets_error, normalize_embeddings
 from lightning_dml.losses.base import refuse_indices_tuple, upcast
 from lightning_dml.losses.proxies import ProxyLoss
 from lightning_dml.losses.registry import build_loss, register_loss
@@ -366,18 +366,7 @@ class MatryoshkaLoss(nn.Module):
             raise ValueError(self._incomplete_message())
         if isinstance(labels, Tensor) and labels.ndim == 2:
             raise label_sets_error(loss, tuple(labels.shape))
-        check_inputs(embeddings, labels, where=name)
-        if embeddings.shape[1] != loss.embedding_dim:
-            raise ValueError(
-                f"{name} was built for embedding_dim={loss.embedding_dim}, but the embeddings have width "
-                f"{embeddings.shape[1]}"
-            )
-        lo, hi = (int(v) for v in torch.aminmax(labels))
-        if lo < 0 or hi >= loss.num_classes:
-            raise ValueError(
-                f"{name} takes labels that are class indices in [0, num_classes={loss.num_classes}), got labels "
-                f"from {lo} to {hi}"
-            )
+        loss.check_batch(embeddings, labels, name)
         total: Tensor | None = None
         with torch.autocast(device_type=embeddings.device.type, enabled=False):
             for width, weight in zip(widths, weights):

@@ -432,7 +432,18 @@ class ProxyLoss(nn.Module):
                     "now: create the loss (or complete() it) after the process group, or load_state_dict to "
                     "split them again"
                 )
-        check_inputs(embeddings, labels)
+        self.check_batch(embeddings, labels)
+        with torch.autocast(device_type=embeddings.device.type, enabled=False):
+            x = normalize_embeddings(embeddings)
+            loss = self.proxy_loss(x, self.proxies.to(x.dtype), labels)
+        return upcast(loss)
+
+    def check_batch(self, embeddings: Tensor, labels: Tensor, name: str | None = None) -> None:
+        """One line for a batch the proxies cannot score (``name``: the loss as the message names it): not a
+        finite ``[B, D]`` batch with ``[B]`` labels, a width other than ``embedding_dim``, or a label outside
+        ``[0, num_classes)``."""
+        check_inputs(embeddings, labels, where=name)  # the input checks' own messages when no name is given
+        name = name or type(self).__name__
         if embeddings.shape[1] != self.embedding_dim:
             raise ValueError(
                 f"{name} was built for embedding_dim={self.embedding_dim}, but the embeddings have width "
@@ -444,10 +455,6 @@ class ProxyLoss(nn.Module):
                 f"{name} takes labels that are class indices in [0, num_classes={self.num_classes}), got labels "
                 f"from {lo} to {hi}"
             )
-        with torch.autocast(device_type=embeddings.device.type, enabled=False):
-            x = normalize_embeddings(embeddings)
-            loss = self.proxy_loss(x, self.proxies.to(x.dtype), labels)
-        return upcast(loss)
 
     def proxy_loss(self, x: Tensor, proxies: Tensor, labels: Tensor) -> Tensor:
         """Scalar loss from the normalised embeddings ``x [B, D]`` and the raw proxies

@@ -28,6 +28,7 @@ from lightning_dml.index.manifest import Manifest
 
 __all__ = ["apply_keep", "calibrated_threshold", "match_flags", "parse_threshold", "threshold_keep"]
 
+
 class OnnxCutError(UserInputError, ValueError):
     """A ``--threshold`` that is not a finite number, or ``--matches_only`` on an uncalibrated index."""
 
@@ -77,8 +78,8 @@ def match_flags(queries: np.ndarray, ids: np.ndarray, vectors: np.ndarray, rows_
     known = rows >= 0
     q, j, rows = q[known], j[known], rows[known]
     a = np.asarray(queries, dtype=np.float32)[q].astype(np.float64)
-    b = np.asarray(vectors[np.sort(np.unique(rows))], dtype=np.float32)  # the rows used, read once from the map
-    b = b[np.searchsorted(np.unique(rows), rows)].astype(np.float64)
+    used, at = np.unique(rows, return_inverse=True)  # the rows used, read once from the map (sorted)
+    b = np.asarray(vectors[used], dtype=np.float32)[at].astype(np.float64)
     if metric == "cosine":
         score = np.einsum("nd,nd->n", a, b) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
     else:
